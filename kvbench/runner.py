@@ -1,0 +1,203 @@
+"""Prefill, compress and greedy-decode one sample under a policy, measuring as it goes.
+
+The loop is ours (not `model.generate`) so eviction, positions and timings are under control:
+  prefill  - the prompt in one forward (`full`) or in chunks (`chunked`), compressing after each;
+  question - with `question: agnostic` the context is compressed before the question is fed;
+  decode   - one token per forward; a decode-time policy evicts every `evict_every` tokens.
+Positions are true token positions (RoPE continues at the number of tokens seen), while the mask is
+sized by the cache's own length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+
+from kvbench.cache import KVCache
+from kvbench.errors import KvbenchError
+from kvbench.measure import PeakMemory, Stopwatch
+from kvbench.models import LoadedModel
+from kvbench.policies.base import Policy
+from kvbench.tasks.base import Sample, Task, encode_prompt
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    budget: int | float | None = None  # tokens per layer and KV head, or a ratio of the prompt (< 1)
+    prefill: Literal["full", "chunked"] = "full"
+    prefill_chunk: int = 512
+    question: Literal["aware", "agnostic"] = "aware"
+    evict_every: int = 1
+    max_new_tokens: int | None = None  # overrides the task's
+
+    def __post_init__(self) -> None:
+        if self.prefill not in ("full", "chunked"):
+            raise KvbenchError(f"prefill mode must be 'full' or 'chunked', got '{self.prefill}'")
+        if self.question not in ("aware", "agnostic"):
+            raise KvbenchError(f"question placement must be 'aware' or 'agnostic', got '{self.question}'")
+        if self.prefill_chunk < 1 or self.evict_every < 1:
+            raise KvbenchError("prefill_chunk and evict_every must be at least 1")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise KvbenchError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        check_budget(self.budget)
+
+
+def check_budget(budget: int | float | None) -> None:
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
+        raise KvbenchError(f"budget must be a positive token count or a ratio in (0, 1), got {budget!r}")
+    if isinstance(budget, float) and not budget.is_integer() and budget > 1:
+        raise KvbenchError(f"budget {budget} is neither a token count nor a ratio in (0, 1]")
+
+
+def resolve_budget(budget: int | float | None, prompt_tokens: int) -> int | None:
+    """Tokens per layer and KV head: a ratio (<= 1.0 as a float) is taken of the prompt length."""
+    if budget is None:
+        return None
+    if isinstance(budget, float) and budget <= 1.0:
+        return max(1, round(budget * prompt_tokens))
+    return int(budget)
+
+
+def forward(lm: LoadedModel, cache: KVCache, ids: list[int]) -> torch.Tensor:
+    """Feed `ids` after what `cache` has seen; return the last position's logits `[1, vocab]`."""
+    seen, length = cache.layers[0].seen, cache.layers[0].length
+    inputs = torch.tensor([ids], device=lm.device)
+    kwargs: dict[str, Any] = {
+        lm.cache_arg: cache,
+        "position_ids": torch.arange(seen, seen + len(ids), device=lm.device)[None],
+        "use_cache": True,
+        "logits_to_keep": 1,
+        "kv_observer": cache,
+    }
+    if lm.takes_cache_position:  # transformers < 5.2x sizes the mask from cache positions
+        kwargs["cache_position"] = torch.arange(length, length + len(ids), device=lm.device)
+    return lm.model(input_ids=inputs, **kwargs).logits[:, -1]
+
+
+@dataclass
+class Generation:
+    """What `generate` returns: the text, its tokens, the final logits, and the measurements."""
+
+    prediction: str
+    tokens: list[int]
+    last_logits: torch.Tensor
+    measurements: dict[str, Any]
+
+
+@torch.inference_mode()
+def generate(lm: LoadedModel, policy: Policy, context_ids: list[int], question_ids: list[int],
+             settings: RunSettings, max_new_tokens: int, stop: tuple[str, ...] = (),
+             eos_token_ids: set[int] | None = None) -> Generation:
+    prompt_tokens = len(context_ids) + len(question_ids)
+    budget = None if not policy.phases else resolve_budget(settings.budget, prompt_tokens)
+    if policy.phases and budget is None:
+        raise KvbenchError(f"policy '{policy.name}' needs a budget")
+    if budget is not None:
+        policy.check_budget(budget)
+    agnostic = settings.question == "agnostic"
+    compressed = context_ids if agnostic else context_ids + question_ids
+    chunked = settings.prefill == "chunked"
+    chunk = settings.prefill_chunk if chunked else len(compressed)
+    # slots beyond the budget: what arrives between two evictions (bounded policies), or what the
+    # cache will still grow by (policies that stop evicting after the prompt)
+    arriving = max(chunk if chunked else 1, len(question_ids) if agnostic else 1)
+    reserve = max(settings.evict_every, arriving) if policy.evicts_during_decode else max(
+        arriving, max_new_tokens + (len(question_ids) if agnostic else 0))
+    cache = KVCache(lm.num_layers, (1, lm.kv_heads, lm.head_dim), policy, budget,
+                    evict_every=settings.evict_every, reserve=reserve)
+    eos = lm.eos_token_ids if eos_token_ids is None else eos_token_ids
+
+    with PeakMemory(lm.device) as memory:
+        clock = Stopwatch(lm.device)
+        for start in range(0, len(compressed), chunk):
+            logits = forward(lm, cache, compressed[start : start + chunk])
+            cache.compress()
+        cache.phase = "decode"
+        if agnostic and question_ids:
+            logits = forward(lm, cache, question_ids)
+            if policy.evicts_during_decode:
+                cache.compress()
+        prefill_s = clock.lap()
+        tokens = [int(logits.argmax(-1))]
+        ttft_s = prefill_s + clock.lap()
+        step_s: list[float] = []
+        while len(tokens) < max_new_tokens and not _finished(lm, tokens, eos, stop):
+            logits = forward(lm, cache, tokens[-1:])
+            if policy.evicts_during_decode:
+                cache.compress()
+            tokens.append(int(logits.argmax(-1)))
+            step_s.append(clock.lap())
+
+    if tokens[-1] in eos:
+        tokens = tokens[:-1]
+    stats = cache.stats()
+    decode_s = sum(step_s)
+    measurements = {
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": len(step_s) + 1,
+        "budget_tokens": budget,
+        "budget_scope": policy.budget_scope,
+        "ttft_s": ttft_s,
+        "tpot_s": statistics.median(step_s) if step_s else None,
+        "prefill_tok_s": prompt_tokens / prefill_s,
+        "decode_tok_s": len(step_s) / decode_s if step_s else None,
+        **asdict(stats),
+        "cache_ratio": stats.cache_ratio,
+        "mem_peak_alloc": memory.peak_bytes,
+        "mem_baseline": memory.baseline_bytes,
+        "mem_peak_device": None,  # NVML sampling: see the memory-pressure work
+    }
+    return Generation(_cut(lm.tokenizer.decode(tokens, skip_special_tokens=True), stop), tokens, logits, measurements)
+
+
+def _finished(lm: LoadedModel, tokens: list[int], eos: set[int], stop: tuple[str, ...]) -> bool:
+    if tokens[-1] in eos:
+        return True
+    if not stop:
+        return False
+    text = lm.tokenizer.decode(tokens, skip_special_tokens=True)
+    return any(s in text.lstrip() for s in stop)
+
+
+def _cut(text: str, stop: tuple[str, ...]) -> str:
+    text = text.strip()
+    for s in stop:
+        text = text.split(s, 1)[0]
+    return text.strip()
+
+
+def run_sample(lm: LoadedModel, policy: Policy, sample: Sample, settings: RunSettings) -> Generation:
+    context_ids, question_ids = encode_prompt(lm.tokenizer, sample)
+    return generate(lm, policy, context_ids, question_ids, settings,
+                    max_new_tokens=settings.max_new_tokens or sample.max_new_tokens, stop=sample.stop)
+
+
+def evaluate(lm: LoadedModel, task: Task, policy: Policy, sample: Sample, settings: RunSettings,
+             context_length: int, seed: int) -> dict[str, Any]:
+    """Run and score one sample: one record (a JSON-able dict)."""
+    policy = dataclasses.replace(policy)  # fresh per-sample state (e.g. the random policy's generator)
+    generation = run_sample(lm, policy, sample, settings)
+    return {
+        "model": lm.spec,
+        "task": task.describe(),
+        "policy": policy.describe(),
+        "budget": settings.budget if policy.phases else None,
+        "context_length": context_length,
+        "sample_id": sample.id,
+        "prefill": settings.prefill,
+        "prefill_chunk": settings.prefill_chunk if settings.prefill == "chunked" else None,
+        "question": settings.question,
+        "evict_every": settings.evict_every,
+        "seed": seed,
+        "prediction": generation.prediction,
+        "references": sample.answers,
+        "scores": task.score(generation.prediction, sample),
+        "meta": sample.meta,
+        **generation.measurements,
+    }

@@ -1,0 +1,85 @@
+"""The policy contract: a small dataclass that scores the live entries of one layer.
+
+A policy never touches storage. The cache calls `observe()` after each attention (only when the
+policy `needs_attention`) and, when it must evict, `score()`: the entries with the highest scores
+are kept, `budget` of them per KV head. Entries a policy must never evict get `+inf`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from kvbench.errors import KvbenchError
+from kvbench.registry import Registry, declared_params
+
+if TYPE_CHECKING:
+    from kvbench.cache import LayerKV
+
+PHASES = ("prefill", "decode")
+
+
+@dataclasses.dataclass
+class Policy:
+    name: ClassVar[str]
+    # "prefill": compresses the prompt; "decode": also evicts as generated tokens arrive, so the
+    # budget holds for the whole generation. No phase: keeps everything.
+    phases: ClassVar[tuple[str, ...]] = ("prefill", "decode")
+    needs_attention: ClassVar[bool] = False
+
+    def observe(
+        self, layer: LayerKV, query: torch.Tensor, key: torch.Tensor, scaling: float, phase: str
+    ) -> None:
+        """Gather statistics after a layer's attention. `key` is every live key, the new ones last."""
+
+    def score(self, layer: LayerKV, budget: int) -> torch.Tensor:
+        """`[batch, kv_heads, length]` scores of the live slots; the top `budget` per head are kept."""
+        raise NotImplementedError
+
+    def check_budget(self, budget: int) -> None:
+        """Raise KvbenchError when this policy cannot work within `budget` tokens."""
+        if budget < 1:
+            raise KvbenchError(f"{self.name}: budget must be at least 1 token, got {budget}")
+
+    @property
+    def evicts_during_decode(self) -> bool:
+        return "decode" in self.phases
+
+    @property
+    def budget_scope(self) -> str:
+        """What the budget bounds: the whole generation, only the prompt, or nothing."""
+        return "decode" if self.evicts_during_decode else ("prefill" if self.phases else "none")
+
+    @classmethod
+    def summary(cls) -> str:
+        return (cls.__doc__ or "").strip().splitlines()[0]
+
+    @classmethod
+    def params(cls) -> dict[str, Any]:
+        """Parameter name -> default."""
+        return declared_params(cls)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, **{key: getattr(self, key) for key in self.params()}}
+
+
+POLICIES: Registry[Policy] = Registry("policy")
+register = POLICIES.register
+build_policy = POLICIES.build
+
+
+def recent_mask(layer: LayerKV, count: int) -> torch.Tensor:
+    """True for the live entries among the `count` most recent tokens."""
+    return layer.live_positions() >= layer.seen - count
+
+
+def protect(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return scores.masked_fill(mask, float("inf"))
+
+
+def positive(name: str, **values: float) -> None:
+    for key, value in values.items():
+        if value <= 0:
+            raise KvbenchError(f"policy '{name}' parameter '{key}' must be positive, got {value}")

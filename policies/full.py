@@ -1,0 +1,14 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbench.policies.base import Policy, register
+
+
+@register
+@dataclass
+class Full(Policy):
+    """Keeps every entry: the reference every other policy is measured against."""
+
+    name = "full"
+    phases = ()

@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.errors import KvbenchError
+from kvbench.policies.base import Policy, protect, register
+
+
+@register
+@dataclass
+class StreamingLLM(Policy):
+    """StreamingLLM (Xiao et al. 2023): the first `sinks` tokens plus the most recent ones."""
+
+    name = "streaming_llm"
+    sinks: int = 4
+
+    def __post_init__(self) -> None:
+        if self.sinks < 0:
+            raise KvbenchError(f"policy 'streaming_llm' parameter 'sinks' must be >= 0, got {self.sinks}")
+
+    def check_budget(self, budget: int) -> None:
+        if budget <= self.sinks:
+            raise KvbenchError(f"streaming_llm: budget {budget} leaves no room beyond sinks={self.sinks}")
+
+    def score(self, layer, budget: int) -> torch.Tensor:
+        positions = layer.live_positions()
+        return protect(positions.float(), positions < self.sinks)

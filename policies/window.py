@@ -1,0 +1,18 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.policies.base import Policy, register
+
+
+@register
+@dataclass
+class Window(Policy):
+    """Sliding window: keeps the most recent `budget` entries."""
+
+    name = "window"
+
+    def score(self, layer, budget: int) -> torch.Tensor:
+        return layer.live_positions().float()
