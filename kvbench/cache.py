@@ -162,9 +162,9 @@ class KVCache(Cache):
 
     `budget` is the resolved token count per layer and KV head (None: keep everything).
     `evict_every` is the slack of a decode-time policy: it evicts once `evict_every` entries have
-    arrived beyond the budget. `reserve` is how many slots a buffer holds beyond what it must: a
-    bounded cache (a decode-time policy) holds `budget + reserve` slots so prefill chunks and decode
-    steps land without reallocating; a growing one grows by `reserve` slots at a time.
+    arrived beyond the budget. While the budget holds (always for a decode-time policy, during the
+    prompt for a prefill-time one) a layer's buffer has `budget + headroom` slots, so prefill chunks
+    and decode steps land without reallocating; a growing cache grows `growth` slots at a time.
     """
 
     def __init__(
@@ -174,14 +174,15 @@ class KVCache(Cache):
         policy: Policy,
         budget: int | None,
         evict_every: int = 1,
-        reserve: int = 256,
+        headroom: int = 1,
+        growth: int = 256,
     ) -> None:
         self.policy = policy
         self.budget = budget
         self.evict_every = evict_every
         self.batch_heads_dim = batch_heads_dim
-        self.reserve = reserve
-        self.bounded = budget is not None and policy.evicts_during_decode
+        self.headroom = headroom
+        self.growth = growth
         self.observing = policy.needs_attention
         self.phase = "prefill"
         self.evictions = 0
@@ -190,7 +191,9 @@ class KVCache(Cache):
 
     def capacity_for(self, live: int) -> int:
         """Slots a layer's buffer gets when it must hold `live` entries."""
-        return max(live, self.budget + self.reserve) if self.bounded else live + self.reserve
+        if self.budget is not None and (self.phase == "prefill" or self.policy.evicts_during_decode):
+            return max(live, self.budget + self.headroom)
+        return live + self.growth
 
     def note_allocation(self, new_slots: int) -> None:
         """Called before a layer's buffers are replaced: old and new coexist for a moment, count both."""

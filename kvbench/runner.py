@@ -104,13 +104,11 @@ def generate(lm: LoadedModel, policy: Policy, context_ids: list[int], question_i
     compressed = context_ids if agnostic else context_ids + question_ids
     chunked = settings.prefill == "chunked"
     chunk = settings.prefill_chunk if chunked else len(compressed)
-    # slots beyond the budget: what arrives between two evictions (bounded policies), or what the
-    # cache will still grow by (policies that stop evicting after the prompt)
-    arriving = max(chunk if chunked else 1, len(question_ids) if agnostic else 1)
-    reserve = max(settings.evict_every, arriving) if policy.evicts_during_decode else max(
-        arriving, max_new_tokens + (len(question_ids) if agnostic else 0))
+    # headroom: what arrives between two evictions; growth: what a cache that stopped evicting still takes
+    headroom = max(settings.evict_every, chunk if chunked else 1, len(question_ids) if agnostic else 1)
+    growth = max_new_tokens + (len(question_ids) if agnostic else 0)
     cache = KVCache(lm.num_layers, (1, lm.kv_heads, lm.head_dim), policy, budget,
-                    evict_every=settings.evict_every, reserve=reserve)
+                    evict_every=settings.evict_every, headroom=headroom, growth=growth)
     eos = lm.eos_token_ids if eos_token_ids is None else eos_token_ids
 
     with PeakMemory(lm.device) as memory:

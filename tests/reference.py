@@ -1,0 +1,115 @@
+"""Independent reference computations for the tests: eager attention over a stock DynamicCache,
+with evictions emulated by masking, and each policy's rule written from its paper over positions."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import repeat_kv
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "kvbench_reference"
+
+
+class MaskedEagerAttention:
+    """Eager attention over all slots of a stock cache (slot index == position), where each layer's
+    KV head may only see `allowed[layer]` `[kv_heads, n_old]` of the old slots; records the weights."""
+
+    def __init__(self) -> None:
+        self.allowed: dict[int, torch.Tensor] = {}
+        self.weights: dict[int, torch.Tensor] = {}
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
+        group = module.num_key_value_groups
+        q_len, n = query.shape[2], key.shape[2]
+        logits = query @ repeat_kv(key, group).transpose(-1, -2) * scaling
+        visible = torch.arange(n)[None, :] <= (torch.arange(q_len) + n - q_len)[:, None]
+        visible = visible[None, None].expand(1, query.shape[1], q_len, n).clone()
+        if module.layer_idx in self.allowed:
+            old = self.allowed[module.layer_idx]
+            visible[..., : old.shape[-1]] &= old.repeat_interleave(group, dim=0)[None, :, None, :]
+        weights = logits.masked_fill(~visible, float("-inf")).softmax(-1)
+        self.weights[module.layer_idx] = weights
+        output = weights @ repeat_kv(value, group)
+        return output.transpose(1, 2).contiguous(), weights
+
+
+@contextlib.contextmanager
+def reference_attention(lm):
+    attention = MaskedEagerAttention()
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    lm.model.set_attn_implementation(NAME)
+    try:
+        yield attention
+    finally:
+        lm.model.set_attn_implementation("kvbench")
+
+
+def stock_forward(lm, cache: DynamicCache, ids: list[int], start: int) -> torch.Tensor:
+    position_ids = torch.arange(start, start + len(ids))[None]
+    return lm.model(input_ids=torch.tensor([ids]), cache=cache, position_ids=position_ids, use_cache=True).logits[:, -1]
+
+
+def received(weights: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[1, H, q, n] -> attention each position received, summed over queries, averaged per KV head."""
+    per_head = weights[0].sum(dim=1)
+    return per_head.view(kv_heads, -1, per_head.shape[-1]).mean(dim=1)
+
+
+def top_set(scores: torch.Tensor, candidates: torch.Tensor, count: int) -> torch.Tensor:
+    """Boolean mask of the `count` highest-scoring candidates."""
+    masked = torch.where(candidates, scores, torch.tensor(float("-inf")))
+    chosen = torch.zeros_like(candidates)
+    chosen[masked.topk(count).indices] = True
+    return chosen
+
+
+@torch.no_grad()
+def h2o_reference(lm, prompt: list[int], decode: list[int], budget: int, recent: int) -> list[list[torch.Tensor]]:
+    """Kept position masks per step (after prefill, after each decode token), per layer `[kv_heads, seen]`:
+    H2O keeps the `recent` newest plus the top `budget - recent` by attention accumulated over all queries."""
+    kv_heads = lm.kv_heads
+    total = len(prompt) + len(decode)
+    scores = {layer: torch.zeros(kv_heads, total) for layer in range(lm.num_layers)}
+    kept = {layer: torch.ones(kv_heads, 0, dtype=torch.bool) for layer in range(lm.num_layers)}
+    cache, history, seen = DynamicCache(), [], 0
+    with reference_attention(lm) as attention:
+        for ids in [prompt] + [[token] for token in decode]:
+            attention.allowed = kept
+            stock_forward(lm, cache, ids, seen)
+            seen += len(ids)
+            step = []
+            for layer in range(lm.num_layers):
+                scores[layer][:, :seen] += received(attention.weights[layer], kv_heads)
+                alive = torch.cat([kept[layer], torch.ones(kv_heads, len(ids), dtype=torch.bool)], dim=1)
+                if int(alive[0].sum()) > budget:
+                    is_recent = torch.arange(seen) >= seen - recent
+                    alive = torch.stack([
+                        top_set(scores[layer][h, :seen], alive[h] & ~is_recent, budget - recent) | is_recent
+                        for h in range(kv_heads)
+                    ])
+                kept[layer] = alive
+                step.append(alive.clone())
+            history.append(step)
+    return history
+
+
+@torch.no_grad()
+def snapkv_reference(lm, prompt: list[int], window: int, kernel: int, pooling: str) -> list[torch.Tensor]:
+    """Per layer, the `[kv_heads, prefix]` SnapKV scores of the prompt: the last `window` queries'
+    attention to the prefix, summed over those queries and each KV head's query heads, then pooled.
+    The policy keeps the top `budget - window` of them plus the window."""
+    n = len(prompt)
+    with reference_attention(lm) as attention:
+        stock_forward(lm, DynamicCache(), prompt, 0)
+    scores = []
+    for layer in range(lm.num_layers):
+        weights = attention.weights[layer][0, :, n - window :, : n - window]  # [H, window, prefix]
+        votes = weights.sum(dim=1).view(lm.kv_heads, -1, n - window).sum(dim=1)
+        pool = F.max_pool1d if pooling == "max" else F.avg_pool1d
+        scores.append(pool(votes[:, None], kernel, stride=1, padding=kernel // 2)[:, 0])
+    return scores

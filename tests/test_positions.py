@@ -1,0 +1,56 @@
+"""After physical eviction, the next token sees exactly the kept entries at their true positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvbench.policies import build_policy
+from kvbench.runner import forward
+from tests.conftest import random_ids, sharpen
+from tests.helpers import run_cache
+from tests.reference import reference_attention, stock_forward
+
+
+@pytest.mark.parametrize("name,params", [("window", {}), ("streaming_llm", {"sinks": 4}), ("h2o", {}),
+                                         ("snapkv", {"window": 8}), ("random", {})])
+@torch.inference_mode()
+def test_evicted_cache_equals_masked_full_cache(sharp_llama, name, params):
+    """Reference: a stock DynamicCache holding every entry, with attention masked to the kept
+    positions of each layer and KV head, and the new token at position len(prompt)."""
+    lm = sharp_llama
+    prompt, following = random_ids(160, seed=6), random_ids(1, seed=7)
+    cache, history = run_cache(lm, build_policy(name, params), prompt, [], budget=48)
+    ours = forward(lm, cache, following)
+
+    stock = DynamicCache()
+    with reference_attention(lm) as attention:
+        stock_forward(lm, stock, prompt, 0)
+        attention.allowed = dict(enumerate(history[-1]))
+        reference = stock_forward(lm, stock, following, len(prompt))
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_window_equals_model_run_on_kept_tokens_with_original_positions():
+    """With one layer, the kept K/V depend only on their own tokens and positions, so a window-compressed
+    cache must give the logits of the model run on just the kept tokens at their original position ids."""
+    from kvbench.models import load_model
+
+    lm = sharpen(load_model("random:tiny-llama", dtype="float32", device="cpu", seed=2))
+    lm.model.model.layers = lm.model.model.layers[:1]
+    lm.model.config.num_hidden_layers = 1
+    prompt, budget = random_ids(120, seed=8), 32
+    cache, _ = run_cache(lm, build_policy("streaming_llm", {"sinks": 4}), prompt, [], budget=budget)
+    ours = forward(lm, cache, [65])
+
+    kept_positions = list(range(4)) + list(range(len(prompt) - (budget - 4), len(prompt)))
+    ids = torch.tensor([[prompt[p] for p in kept_positions] + [65]])
+    positions = torch.tensor([kept_positions + [len(prompt)]])
+    causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()[None, None]
+    reference = lm.model(input_ids=ids, position_ids=positions, attention_mask=causal).logits[:, -1]
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+    # and RoPE really matters: contiguous positions give different logits
+    shifted = lm.model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None], attention_mask=causal).logits[:, -1]
+    assert not torch.allclose(ours, shifted, atol=1e-2)
