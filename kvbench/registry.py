@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import importlib.util
 import sys
 import typing
@@ -81,7 +82,10 @@ def load_plugins(folder: str | Path) -> list[str]:
         raise KvbenchError(f"plugin folder not found: {folder}")
     loaded = []
     for path in sorted(folder.glob("*.py")):
-        module_name = f"kvbench_plugin_{path.stem}"
+        module_name = f"kvbench_plugin_{path.stem}_{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]}"
+        if module_name in sys.modules:  # already registered in this process
+            loaded.append(str(path))
+            continue
         spec = importlib.util.spec_from_file_location(module_name, path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)

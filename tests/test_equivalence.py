@@ -16,7 +16,9 @@ def stock_generate(lm, prompt: list[int]):
     lm.model.set_attn_implementation("sdpa")
     try:
         out = lm.model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),  # token 0 is no padding here
+            max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
             output_logits=True, return_dict_in_generate=True,
         )
     finally:

@@ -52,5 +52,6 @@ def test_window_equals_model_run_on_kept_tokens_with_original_positions():
     reference = lm.model(input_ids=ids, position_ids=positions, attention_mask=causal).logits[:, -1]
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
     # and RoPE really matters: contiguous positions give different logits
-    shifted = lm.model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None], attention_mask=causal).logits[:, -1]
+    contiguous = torch.arange(ids.shape[1])[None]
+    shifted = lm.model(input_ids=ids, position_ids=contiguous, attention_mask=causal).logits[:, -1]
     assert not torch.allclose(ours, shifted, atol=1e-2)

@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+from typer.testing import CliRunner
+
+from kvbench import __version__
+from kvbench.cli import app
+
+runner = CliRunner()
+TINY = ["run", "-m", "random:tiny-llama", "-c", "300", "--max-new-tokens", "3"]
+
+
+def test_version_and_help():
+    assert __version__ in runner.invoke(app, ["--version"]).output
+    result = runner.invoke(app, ["run", "--help"])
+    assert result.exit_code == 0 and "--prefill" in result.output
+
+
+def test_policies_lists_every_policy_with_phase_and_params():
+    result = runner.invoke(app, ["policies"])
+    assert result.exit_code == 0
+    for name in ("full", "window", "streaming_llm", "h2o", "snapkv", "random", "recent_ratio", "prefill+decode"):
+        assert name in result.output
+
+
+def test_run_json_records():
+    result = runner.invoke(app, [*TINY, "-p", "full", "-p", "h2o", "-b", "64", "-b", "0.5", "--depth", "0.5",
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [(r["policy"]["name"], r["budget"]) for r in records] == [("full", None), ("h2o", 64), ("h2o", 0.5)]
+    for record in records:
+        for field in ("ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s", "kv_bytes_live", "kv_bytes_physical",
+                      "kv_bytes_peak", "kv_bytes_full", "cache_ratio", "mem_peak_alloc", "evictions", "prediction",
+                      "references", "scores", "sample_id", "question", "prefill"):
+            assert field in record
+    assert records[1]["budget_tokens"] == 64 and records[2]["budget_tokens"] == 150
+
+
+def test_run_table():
+    result = runner.invoke(app, [*TINY, "-p", "window", "-b", "64", "--prefill", "chunked", "--prefill-chunk", "64",
+                                 "--question", "agnostic"])
+    assert result.exit_code == 0, result.output
+    assert "window" in result.output and "cache ratio" in result.output
+
+
+@pytest.mark.parametrize("args,culprit", [
+    (["-p", "windo"], "unknown policy 'windo'"),
+    (["-p", "h2o", "--param", "window=3"], "parameter 'window'"),
+    (["-p", "snapkv", "--param", "pooling=mean"], "pooling"),
+    (["-p", "window", "-b", "lots"], "budget 'lots'"),
+    (["-p", "window", "-b", "-5"], "budget"),
+    (["-p", "snapkv", "-b", "16"], "observation window"),
+    (["-m", "./no/such/model"], "model path not found"),
+    (["-m", "random:huge"], "unknown random model shape 'huge'"),
+    (["--task-param", "corpus=/no/such/file.txt"], "corpus not found"),
+    (["--prefill", "sideways"], "prefill mode"),
+    (["-t", "niah2"], "unknown task"),
+    (["--device", "tpu"], "device"),
+])
+def test_bad_input_is_one_line_naming_the_culprit_exit_2(args, culprit):
+    result = runner.invoke(app, [*TINY, *args])
+    assert result.exit_code == 2, result.output
+    assert culprit in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_plugin_policy_from_a_folder(tmp_path):
+    (tmp_path / "oldest.py").write_text(textwrap.dedent('''
+        from dataclasses import dataclass
+        from kvbench.policies import Policy, register
+
+        @register
+        @dataclass
+        class KeepOldest(Policy):
+            """Keeps the oldest entries (a plugin example)."""
+            name = "keep_oldest"
+
+            def score(self, layer, budget):
+                return -layer.live_positions().float()
+    '''))
+    listed = runner.invoke(app, ["policies", "--plugins", str(tmp_path)])
+    assert "keep_oldest" in listed.output
+    result = runner.invoke(app, [*TINY, "--plugins", str(tmp_path), "-p", "keep_oldest", "-b", "32", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout.splitlines()[0])["kv_bytes_live"] > 0
