@@ -87,3 +87,14 @@ def test_plugin_policy_from_a_folder(tmp_path):
     result = runner.invoke(app, [*TINY, "--plugins", str(tmp_path), "-p", "keep_oldest", "-b", "32", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout.splitlines()[0])["kv_bytes_live"] > 0
+
+
+def test_local_model_folder_loads_and_runs(tmp_path):
+    from kvbench.models import load_model
+
+    source = load_model("random:tiny-qwen2", dtype="float32", device="cpu")
+    source.model.save_pretrained(tmp_path)
+    source.tokenizer.save_pretrained(tmp_path)
+    result = runner.invoke(app, ["run", "-m", str(tmp_path), "-c", "300", "--max-new-tokens", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout.splitlines()[0])["model"] == str(tmp_path)
