@@ -51,7 +51,8 @@ def reference_attention(lm):
 
 def stock_forward(lm, cache: DynamicCache, ids: list[int], start: int) -> torch.Tensor:
     position_ids = torch.arange(start, start + len(ids))[None]
-    return lm.model(input_ids=torch.tensor([ids]), cache=cache, position_ids=position_ids, use_cache=True).logits[:, -1]
+    inputs = {"input_ids": torch.tensor([ids]), lm.cache_arg: cache, "position_ids": position_ids, "use_cache": True}
+    return lm.model(**inputs).logits[:, -1]
 
 
 def received(weights: torch.Tensor, kv_heads: int) -> torch.Tensor:
