@@ -48,9 +48,9 @@ class LayerKV(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.length = 0  # live slots
         self.seen = 0  # tokens ever appended: the position of the next one
-        self.max_length = 0
+        self.max_held = 0
         self.positions: torch.Tensor | None = None  # [batch, kv_heads, capacity] int64
-        self.stats: dict[str, torch.Tensor] = {}  # per-slot policy state, moved with the slots
+        self.slot_stats: dict[str, torch.Tensor] = {}  # per-slot policy state, moved with the slots
 
     # --- transformers Cache layer protocol -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -69,10 +69,10 @@ class LayerKV(CacheLayerMixin):
         self.keys[:, :, self.length : end] = key_states
         self.values[:, :, self.length : end] = value_states
         self.positions[:, :, self.length : end] = torch.arange(self.seen, self.seen + new, device=self.device)
-        for stat in self.stats.values():
+        for stat in self.slot_stats.values():
             stat[:, :, self.length : end] = 0
         self.length, self.seen = end, self.seen + new
-        self.max_length = max(self.max_length, end)
+        self.max_held = max(self.max_held, end)
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def get_seq_length(self) -> int:
@@ -100,12 +100,12 @@ class LayerKV(CacheLayerMixin):
 
     def slot_stat(self, name: str) -> torch.Tensor:
         """A float32 per-slot statistic `[batch, kv_heads, length]` that follows its entry when slots move."""
-        if name not in self.stats:
-            self.stats[name] = torch.zeros(self.positions.shape, dtype=torch.float32, device=self.device)
-        return self.stats[name][:, :, : self.length]
+        if name not in self.slot_stats:
+            self.slot_stats[name] = torch.zeros(self.positions.shape, dtype=torch.float32, device=self.device)
+        return self.slot_stats[name][:, :, : self.length]
 
     def _buffers(self) -> list[torch.Tensor]:
-        return [self.keys, self.values, self.positions, *self.stats.values()]
+        return [self.keys, self.values, self.positions, *self.slot_stats.values()]
 
     def _reallocate(self, capacity: int) -> None:
         """Move the live slots into new buffers of `capacity` slots."""
@@ -116,7 +116,9 @@ class LayerKV(CacheLayerMixin):
         self.keys = torch.empty(kv_shape, dtype=self.dtype, device=self.device)
         self.values = torch.empty(kv_shape, dtype=self.dtype, device=self.device)
         self.positions = torch.zeros(kv_shape[:3], dtype=torch.long, device=self.device)
-        self.stats = {name: torch.zeros(kv_shape[:3], dtype=torch.float32, device=self.device) for name in self.stats}
+        self.slot_stats = {
+            name: torch.zeros(kv_shape[:3], dtype=torch.float32, device=self.device) for name in self.slot_stats
+        }
         if old is not None:
             for src, dst in zip(old, self._buffers(), strict=True):
                 dst[:, :, : self.length] = src[:, :, : self.length]
@@ -127,22 +129,22 @@ class LayerKV(CacheLayerMixin):
         if e == 0:
             return
         keep = self.length - e
-        gone = torch.zeros(self.positions.shape[:2] + (self.length,), dtype=torch.bool, device=self.device)
-        gone.scatter_(-1, evicted, True)
-        if e > keep:
-            # most entries go (a prompt compressed to its budget): gather the survivors to the front
-            survivors = torch.sort(gone.to(torch.int8), dim=-1, stable=True).indices[..., :keep]
-            for buffer in self._buffers():
-                buffer[:, :, :keep] = _take(buffer[:, :, : self.length], survivors)
+        if e == 1:  # the usual decode step: the last slot fills the hole (or is the hole)
+            holes, sources = evicted, torch.full_like(evicted, keep)
         else:
-            # few entries go (decode steps): move the survivors found in the tail into the holes in front
-            holes = torch.sort((~gone[..., :keep]).to(torch.int8), dim=-1, stable=True).indices[..., :e]
-            movers = keep + torch.sort(gone[..., keep:].to(torch.int8), dim=-1, stable=True).indices
-            real = torch.arange(e, device=self.device) < gone[..., :keep].sum(-1, keepdim=True)
-            sources = torch.where(real, movers, holes)  # past the last hole: copy a slot onto itself
-            for buffer in self._buffers():
-                live = buffer[:, :, : self.length]
-                live.scatter_(2, _expand(holes, buffer), _take(live, sources))
+            gone = torch.zeros(evicted.shape[:2] + (self.length,), dtype=torch.bool, device=self.device)
+            gone.scatter_(-1, evicted, True)
+            if e > keep:  # most entries go (a prompt compressed to its budget): gather survivors to the front
+                holes = torch.arange(keep, device=self.device).expand(*evicted.shape[:2], keep)
+                sources = torch.sort(gone.to(torch.int8), dim=-1, stable=True).indices[..., :keep]
+            else:  # few go: the survivors found in the tail move into the holes in front
+                holes = torch.sort((~gone[..., :keep]).to(torch.int8), dim=-1, stable=True).indices[..., :e]
+                movers = keep + torch.sort(gone[..., keep:].to(torch.int8), dim=-1, stable=True).indices
+                real = torch.arange(e, device=self.device) < gone[..., :keep].sum(-1, keepdim=True)
+                sources = torch.where(real, movers, holes)  # past the last hole: a slot onto itself
+        for buffer in self._buffers():
+            live = buffer[:, :, : self.length]
+            live.scatter_(2, _expand(holes, buffer), _take(live, sources))  # gather copies before writing
         self.length = keep
         target = self.owner.capacity_for(keep)
         if self.capacity >= 2 * target:  # give back the memory a long prompt needed
@@ -231,6 +233,6 @@ class KVCache(Cache):
             kv_bytes_full=sum(layer.seen for layer in layers) * slot_bytes,
             kept_mean=sum(lengths) / len(lengths),
             kept_max=max(lengths),
-            kept_max_ever=max((layer.max_length for layer in layers), default=0),
+            kept_max_ever=max((layer.max_held for layer in layers), default=0),
             evictions=self.evictions,
         )

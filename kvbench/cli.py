@@ -17,6 +17,7 @@ from rich.table import Table
 
 from kvbench import __version__
 from kvbench.errors import KvbenchError
+from kvbench.registry import first_line
 
 app = typer.Typer(
     help="Benchmark KV-cache eviction and compression policies: quality, speed and measured memory.",
@@ -26,6 +27,7 @@ app = typer.Typer(
 )
 stdout = Console(width=max(Console().width, 110))
 stderr = Console(stderr=True)
+PLUGINS = typer.Option(None, "--plugins", help="Folder of extra policy/task files to load.")
 
 
 def user_errors(command: Callable) -> Callable:
@@ -130,7 +132,7 @@ def run(
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
     device_map: str | None = typer.Option(None, "--device-map", help="'auto' to spread a large model over GPUs."),
     seed: int = typer.Option(0, "--seed", help="Seed for sample generation and random weights."),
-    plugins: str | None = typer.Option(None, "--plugins", help="Folder of extra policy/task files to load."),
+    plugins: str | None = PLUGINS,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON record per sample instead of a table."),
 ) -> None:
     """Run policies on a task and compare quality, speed and cache memory."""
@@ -222,43 +224,45 @@ def human_bytes(count: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _listing(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*row)
+    stdout.print(table)
+
+
 @app.command()
 @user_errors
-def policies(plugins: str | None = typer.Option(None, "--plugins", help="Folder of extra policy files.")) -> None:
+def policies(plugins: str | None = PLUGINS) -> None:
     """List the policies, their phases and parameters."""
     from kvbench.policies import POLICIES
     from kvbench.registry import load_plugins
 
     if plugins:
         load_plugins(plugins)
-    table = Table(title="policies")
-    for column in ("name", "phases", "needs attention", "parameters (defaults)", "what it does"):
-        table.add_column(column)
+    rows = []
     for name in POLICIES.names():
         cls = POLICIES.get(name)
         params = ", ".join(f"{k}={v}" for k, v in cls.params().items()) or "-"
-        table.add_row(name, "+".join(cls.phases) or "-", "yes" if cls.needs_attention else "no", params,
-                      cls.summary())
-    stdout.print(table)
+        rows.append((name, "+".join(cls.phases) or "-", "yes" if cls.needs_attention else "no", params,
+                     first_line(cls)))
+    _listing("policies", ("name", "phases", "needs attention", "parameters (defaults)", "what it does"), rows)
 
 
 @app.command()
 @user_errors
-def tasks(plugins: str | None = typer.Option(None, "--plugins", help="Folder of extra task files.")) -> None:
+def tasks(plugins: str | None = PLUGINS) -> None:
     """List the tasks and their parameters."""
     from kvbench.registry import load_plugins
     from kvbench.tasks import TASKS
 
     if plugins:
         load_plugins(plugins)
-    table = Table(title="tasks")
-    for column in ("name", "parameters (defaults)", "what it does"):
-        table.add_column(column)
-    for name in TASKS.names():
-        cls = TASKS.get(name)
-        table.add_row(name, "\n".join(f"{k}={v!r}" for k, v in cls.params().items()),
-                      (cls.__doc__ or "").strip().splitlines()[0])
-    stdout.print(table)
+    rows = [(name, "\n".join(f"{k}={v!r}" for k, v in TASKS.get(name).params().items()), first_line(TASKS.get(name)))
+            for name in TASKS.names()]
+    _listing("tasks", ("name", "parameters (defaults)", "what it does"), rows)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,11 @@ class Registry(Generic[T]):
         return name in self._entries
 
 
+def first_line(cls: type) -> str:
+    """A class's one-line description: the first line of its docstring."""
+    return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+
+
 def declared_params(cls: type) -> dict[str, Any]:
     """The user-settable fields of a dataclass, with their defaults."""
     return {

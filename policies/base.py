@@ -53,10 +53,6 @@ class Policy:
         return "decode" if self.evicts_during_decode else ("prefill" if self.phases else "none")
 
     @classmethod
-    def summary(cls) -> str:
-        return (cls.__doc__ or "").strip().splitlines()[0]
-
-    @classmethod
     def params(cls) -> dict[str, Any]:
         """Parameter name -> default."""
         return declared_params(cls)

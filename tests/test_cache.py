@@ -26,7 +26,7 @@ def filled_layer(length: int):
     return layer
 
 
-@pytest.mark.parametrize("length,evicted_count", [(20, 3), (20, 15), (64, 60), (9, 4)])
+@pytest.mark.parametrize("length,evicted_count", [(12, 1), (20, 3), (20, 15), (64, 60), (9, 4)])
 def test_evict_keeps_exactly_the_survivors_with_their_state(length, evicted_count):
     layer = filled_layer(length)
     generator = torch.Generator().manual_seed(length + evicted_count)
