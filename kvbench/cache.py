@@ -78,6 +78,17 @@ class LayerKV(CacheLayerMixin):
     def get_seq_length(self) -> int:
         return self.length
 
+    def copy_from(self, other: LayerKV, stat: str) -> None:
+        """Hold a copy of `other`'s entries and of its per-slot statistic `stat`, if it has one."""
+        self.lazy_initialization(other.keys, other.values)
+        self._reallocate(self.owner.capacity_for(other.length))
+        self.length, self.seen, self.max_held = other.length, other.seen, other.max_held
+        pairs = [(self.keys, other.keys), (self.values, other.values), (self.positions, other.positions)]
+        if stat in other.slot_stats:
+            pairs.append((self.slot_stat(stat), other.slot_stats[stat]))
+        for mine, theirs in pairs:
+            mine[:, :, : self.length] = theirs[:, :, : self.length]
+
     def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
         # transformers < 5.2x passes `cache_position` (a tensor) instead of the query length
         if isinstance(query_length, torch.Tensor):
@@ -178,6 +189,7 @@ class KVCache(Cache):
         evict_every: int = 1,
         headroom: int = 1,
         growth: int = 256,
+        observers: list[Policy] | None = None,
     ) -> None:
         self.policy = policy
         self.budget = budget
@@ -185,7 +197,11 @@ class KVCache(Cache):
         self.batch_heads_dim = batch_heads_dim
         self.headroom = headroom
         self.growth = growth
-        self.observing = policy.needs_attention
+        # policies whose attention statistics this cache gathers: its own, or every policy of a shared prefill
+        if observers is None:
+            observers = [policy]
+        self.observers = list({p.state_key: p for p in observers if p.needs_attention}.values())
+        self.observing = bool(self.observers)
         self.phase = "prefill"
         self.evictions = 0
         self.peak_slots = 0
@@ -204,7 +220,14 @@ class KVCache(Cache):
 
     def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
         """Called by the kvbench attention function after each layer's attention (see attention.py)."""
-        self.policy.observe(self.layers[layer_idx], query, key, scaling, self.phase)
+        for policy in self.observers:
+            policy.observe(self.layers[layer_idx], query, key, scaling, self.phase)
+
+    def adopt(self, shared: KVCache) -> None:
+        """Start from a copy of a shared prefill's cache (with this policy's statistics), as if this cache
+        had run the prompt itself: same buffers, same layout, so compressing it gives identical results."""
+        for mine, theirs in zip(self.layers, shared.layers, strict=True):
+            mine.copy_from(theirs, stat=self.policy.state_key)
 
     def compress(self) -> None:
         """Evict down to the budget: always after a prefill chunk, every `evict_every` tokens in decode."""

@@ -90,10 +90,34 @@ class Generation:
     measurements: dict[str, Any]
 
 
+@dataclass
+class SharedPrefill:
+    """One forward over a prompt, gathering every listed policy's statistics; each cell of a sweep that
+    compresses this prompt starts from a copy of its cache instead of running the prompt again."""
+
+    cache: KVCache
+    logits: torch.Tensor
+    seconds: float
+    mem_peak: int
+
+
+@torch.inference_mode()
+def shared_prefill(lm: LoadedModel, ids: list[int], observers: list[Policy]) -> SharedPrefill:
+    from kvbench.policies.full import Full
+
+    cache = KVCache(lm.num_layers, (1, lm.kv_heads, lm.head_dim), Full(), None, growth=0, observers=observers)
+    with PeakMemory(lm.device) as memory:
+        clock = Stopwatch(lm.device)
+        logits = forward(lm, cache, ids)
+        seconds = clock.lap()
+    return SharedPrefill(cache, logits, seconds, memory.peak_bytes)
+
+
 @torch.inference_mode()
 def generate(lm: LoadedModel, policy: Policy, context_ids: list[int], question_ids: list[int],
              settings: RunSettings, max_new_tokens: int, stop: tuple[str, ...] = (),
-             eos_token_ids: set[int] | None = None) -> Generation:
+             eos_token_ids: set[int] | None = None, shared: SharedPrefill | None = None) -> Generation:
+    """Prefill (or adopt `shared`, a prefill of the same prompt in `full` mode), compress, decode."""
     prompt_tokens = len(context_ids) + len(question_ids)
     budget = None if not policy.phases else resolve_budget(settings.budget, prompt_tokens)
     if policy.phases and budget is None:
@@ -113,7 +137,13 @@ def generate(lm: LoadedModel, policy: Policy, context_ids: list[int], question_i
 
     with PeakMemory(lm.device) as memory:
         clock = Stopwatch(lm.device)
-        for start in range(0, len(compressed), chunk):
+        if shared is not None:
+            if chunked or shared.cache.layers[0].seen != len(compressed):
+                raise ValueError("a shared prefill serves only `full` prefill of the same prompt")
+            cache.adopt(shared.cache)
+            logits = shared.logits
+            cache.compress()
+        for start in range(0, len(compressed) if shared is None else 0, chunk):
             logits = forward(lm, cache, compressed[start : start + chunk])
             cache.compress()
         cache.phase = "decode"
@@ -121,7 +151,7 @@ def generate(lm: LoadedModel, policy: Policy, context_ids: list[int], question_i
             logits = forward(lm, cache, question_ids)
             if policy.evicts_during_decode:
                 cache.compress()
-        prefill_s = clock.lap()
+        prefill_s = clock.lap() + (shared.seconds if shared else 0.0)
         tokens = [int(logits.argmax(-1))]
         ttft_s = prefill_s + clock.lap()
         step_s: list[float] = []
@@ -147,9 +177,10 @@ def generate(lm: LoadedModel, policy: Policy, context_ids: list[int], question_i
         "decode_tok_s": len(step_s) / decode_s if step_s else None,
         **asdict(stats),
         "cache_ratio": stats.cache_ratio,
-        "mem_peak_alloc": memory.peak_bytes,
+        "mem_peak_alloc": max(memory.peak_bytes, shared.mem_peak if shared else 0),
         "mem_baseline": memory.baseline_bytes,
         "mem_peak_device": None,  # NVML sampling: see the memory-pressure work
+        "prefill_shared": shared is not None,
     }
     return Generation(_cut(lm.tokenizer.decode(tokens, skip_special_tokens=True), stop), tokens, logits, measurements)
 
@@ -170,17 +201,24 @@ def _cut(text: str, stop: tuple[str, ...]) -> str:
     return text.strip()
 
 
-def run_sample(lm: LoadedModel, policy: Policy, sample: Sample, settings: RunSettings) -> Generation:
+def compressed_prompt(lm: LoadedModel, sample: Sample, question: str) -> list[int]:
+    """The tokens compressed before decoding: the whole prompt (`aware`) or its context (`agnostic`)."""
     context_ids, question_ids = encode_prompt(lm.tokenizer, sample)
-    return generate(lm, policy, context_ids, question_ids, settings,
-                    max_new_tokens=settings.max_new_tokens or sample.max_new_tokens, stop=sample.stop)
+    return context_ids if question == "agnostic" else context_ids + question_ids
+
+
+def run_sample(lm: LoadedModel, policy: Policy, sample: Sample, settings: RunSettings,
+               shared: SharedPrefill | None = None) -> Generation:
+    context_ids, question_ids = encode_prompt(lm.tokenizer, sample)
+    return generate(lm, policy, context_ids, question_ids, settings, stop=sample.stop, shared=shared,
+                    max_new_tokens=settings.max_new_tokens or sample.max_new_tokens)
 
 
 def evaluate(lm: LoadedModel, task: Task, policy: Policy, sample: Sample, settings: RunSettings,
-             context_length: int, seed: int) -> dict[str, Any]:
+             context_length: int, seed: int, shared: SharedPrefill | None = None) -> dict[str, Any]:
     """Run and score one sample: one record (a JSON-able dict)."""
     policy = dataclasses.replace(policy)  # fresh per-sample state (e.g. the random policy's generator)
-    generation = run_sample(lm, policy, sample, settings)
+    generation = run_sample(lm, policy, sample, settings, shared)
     return {
         "model": lm.spec,
         "task": task.describe(),

@@ -60,6 +60,11 @@ class Policy:
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, **{key: getattr(self, key) for key in self.params()}}
 
+    @property
+    def state_key(self) -> str:
+        """Names this instance's per-slot statistics, so several policies can observe one shared prefill."""
+        return repr(sorted(self.describe().items()))
+
 
 POLICIES: Registry[Policy] = Registry("policy")
 register = POLICIES.register

@@ -24,8 +24,8 @@ class H2O(Policy):
 
     def observe(self, layer, query, key, scaling, phase) -> None:
         # every query's attention counts, the prompt's included; scores leave with evicted entries
-        layer.slot_stat("h2o").add_(attention_received(query, key, scaling))
+        layer.slot_stat(self.state_key).add_(attention_received(query, key, scaling))
 
     def score(self, layer, budget: int) -> torch.Tensor:
         recent = round(budget * self.recent_ratio)
-        return protect(layer.slot_stat("h2o"), recent_mask(layer, recent))
+        return protect(layer.slot_stat(self.state_key), recent_mask(layer, recent))

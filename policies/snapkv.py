@@ -36,7 +36,7 @@ class SnapKV(Policy):
         if phase != "prefill":
             return
         window_queries = query[:, :, -self.window :]
-        votes = layer.slot_stat("snapkv")
+        votes = layer.slot_stat(self.state_key)
         votes.zero_()
         for _, probs in attention_probs(window_queries, key, scaling):
             votes[..., : probs.shape[-1]] += probs.sum(dim=(2, 3))
@@ -45,7 +45,7 @@ class SnapKV(Policy):
         # pool over neighbouring *positions* of the prefix (slots are not in position order after
         # evictions); the observation window itself is always kept
         order = layer.live_positions().argsort(dim=-1)
-        votes = layer.slot_stat("snapkv").gather(-1, order)
+        votes = layer.slot_stat(self.state_key).gather(-1, order)
         batch, heads, n = votes.shape
         window = min(self.window, n)
         pool = F.max_pool1d if self.pooling == "max" else F.avg_pool1d

@@ -1,0 +1,236 @@
+"""Sweep configs: YAML -> a validated `SweepConfig`, with `include:` and `--set` overrides.
+
+Every error names the file, the line and the key, as one line (KvbenchError).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvbench.errors import KvbenchError
+from kvbench.runner import check_budget
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(Strict):
+    id: str = "smollm2-135m"
+    dtype: str = "auto"
+    device: str = "auto"
+    device_map: str | None = None
+
+
+class PrefillConfig(Strict):
+    mode: Literal["full", "chunked"] = "full"
+    chunk: int = Field(512, gt=0)
+
+
+class NamedSpec(BaseModel):
+    """`name` plus free parameters (checked against the policy's or task's own fields later)."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+    def canonical(self) -> dict[str, Any]:
+        return {"name": self.name, "params": dict(sorted(self.params.items()))}
+
+
+def _named(value: Any) -> Any:
+    return {"name": value} if isinstance(value, str) else value
+
+
+class SweepConfig(Strict):
+    name: str
+    model: ModelConfig = ModelConfig()
+    policies: list[NamedSpec] = Field(min_length=1)
+    budgets: list[int | float] = Field(min_length=1)
+    context_lengths: list[int] = Field(min_length=1)
+    tasks: list[NamedSpec] = Field(min_length=1)
+    prefill: PrefillConfig = PrefillConfig()
+    question: list[Literal["aware", "agnostic"]] = ["aware"]
+    samples: int = Field(3, gt=0)
+    seed: int = 0
+    evict_every: int = Field(1, gt=0)
+    max_new_tokens: int | None = Field(None, gt=0)
+    output: str | None = None
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_id(cls, value: Any) -> Any:
+        return {"id": value} if isinstance(value, str) else value
+
+    @field_validator("policies", "tasks", mode="before")
+    @classmethod
+    def _names(cls, value: Any) -> Any:
+        return [_named(item) for item in value] if isinstance(value, list) else value
+
+    @field_validator("question", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("budgets")
+    @classmethod
+    def _budgets(cls, budgets: list[int | float]) -> list[int | float]:
+        for budget in budgets:
+            try:
+                check_budget(budget)
+            except KvbenchError as exc:
+                raise ValueError(str(exc)) from None
+        return budgets
+
+    @field_validator("context_lengths")
+    @classmethod
+    def _lengths(cls, lengths: list[int]) -> list[int]:
+        if any(length <= 0 for length in lengths):
+            raise ValueError(f"context lengths must be positive, got {lengths}")
+        return lengths
+
+    @model_validator(mode="after")
+    def _registered(self) -> SweepConfig:
+        from kvbench.policies import POLICIES
+        from kvbench.tasks import TASKS
+
+        for field, registry in (("policies", POLICIES), ("tasks", TASKS)):
+            for index, spec in enumerate(getattr(self, field)):
+                try:
+                    built = registry.build(spec.name, spec.params)
+                except KvbenchError as exc:
+                    raise _Located((field, index, "name"), str(exc)) from None
+                if field == "policies":
+                    for budget in self.budgets:
+                        if built.phases and isinstance(budget, int):
+                            try:
+                                built.check_budget(budget)
+                            except KvbenchError as exc:
+                                raise _Located(("budgets",), str(exc)) from None
+        return self
+
+    def result_hash(self) -> str:
+        """Identifies everything that changes results (not where they are written or on which device)."""
+        relevant = self.model_dump(exclude={"output", "name"})
+        relevant["model"].pop("device")
+        relevant["model"].pop("device_map")
+        return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class _Located(Exception):  # not a ValueError: pydantic must let it through with its location
+    def __init__(self, loc: tuple, message: str) -> None:
+        super().__init__(message)
+        self.loc = loc
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> SweepConfig:
+    """Read, merge includes, apply `key.sub=value` overrides, validate."""
+    path = Path(path)
+    raw, sources = _read_with_includes(path, seen=())
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise KvbenchError(f"--set '{item}' is not of the form key=value")
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise KvbenchError(f"--set '{item}': the value is not valid YAML") from None
+        _assign(raw, key.split("."), parsed)
+    try:
+        return SweepConfig.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        error = exc.errors()[0]
+        loc = tuple(error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            message = f"unknown key '{loc[-1]}'"
+        elif error["type"] == "missing":
+            message = f"missing key '{loc[-1]}'"
+        raise KvbenchError(f"{_where(sources, loc)}: {_dotted(loc)}: {message}") from None
+    except _Located as exc:
+        raise KvbenchError(f"{_where(sources, exc.loc)}: {_dotted(exc.loc)}: {exc}") from None
+
+
+def _read_with_includes(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, Any], list[tuple[Path, Any]]]:
+    """The merged mapping (included files first, this file on top) and each file's YAML node tree."""
+    if not path.is_file():
+        raise KvbenchError(f"config file not found: {path}")
+    if path.resolve() in seen:
+        raise KvbenchError(f"{path}: include cycle")
+    text = path.read_text(encoding="utf-8")
+    try:
+        data, node = yaml.safe_load(text), yaml.compose(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        reason = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise KvbenchError(f"{path}{line}: malformed YAML: {reason}") from None
+    if not isinstance(data, dict):
+        raise KvbenchError(f"{path}: a config must be a mapping of keys, got {type(data).__name__}")
+    includes = data.pop("include", [])
+    merged: dict[str, Any] = {}
+    sources: list[tuple[Path, Any]] = [(path, node)]
+    for include in [includes] if isinstance(includes, str) else includes:
+        included, inner = _read_with_includes(path.parent / include, seen + (path.resolve(),))
+        merged = _merge(merged, included)
+        sources.extend(inner)
+    return _merge(merged, data), sources
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in top.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _assign(tree: dict[str, Any], keys: list[str], value: Any) -> None:
+    for key in keys[:-1]:
+        node = tree.setdefault(key, {})
+        if not isinstance(node, dict):
+            node = tree[key] = {"id": node} if key == "model" else {}
+        tree = node
+    tree[keys[-1]] = value
+
+
+def _dotted(loc: tuple) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def _where(sources: list[tuple[Path, Any]], loc: tuple) -> str:
+    """`file:line` of the deepest node on `loc` that some source file spells out."""
+    for path, root in sources:
+        node, line = root, None
+        for part in loc:
+            child = _child(node, part)
+            if child is None:
+                break
+            line, node = child.start_mark.line + 1, child
+        if line is not None:
+            return f"{path}:{line}"
+    return str(sources[0][0])
+
+
+def _child(node: Any, part: Any) -> Any:
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            if key.value == part:
+                return value
+        return None
+    if isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+        return node.value[part]
+    return None

@@ -1,0 +1,153 @@
+"""The run folder (DESIGN.md section 6): manifest.json, records.jsonl, cells.jsonl.
+
+Records are appended and flushed one per finished sample, so a run killed at any moment loses at
+most the sample in flight; a line cut off by a kill is dropped on the next open, never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvbench import __version__
+from kvbench.errors import KvbenchError
+
+MANIFEST, RECORDS, CELLS = "manifest.json", "records.jsonl", "cells.jsonl"
+
+
+def read_jsonl(path: Path, repair: bool = False) -> list[dict[str, Any]]:
+    """Every complete line of a JSONL file. A last line without its newline is a write cut short:
+    it is ignored (and cut from the file when `repair`). A broken line before it is corruption."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
+    if repair and len(complete) < len(data):
+        with path.open("r+b") as handle:
+            handle.truncate(len(complete))
+    rows = []
+    for number, line in enumerate(complete.decode("utf-8", errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise KvbenchError(f"{path}:{number}: corrupted result line (not JSON); fix or delete it") from None
+    return rows
+
+
+def append_jsonl(path: Path, row: dict[str, Any]) -> None:
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps(row, default=str) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    import transformers
+
+    info: dict[str, Any] = {
+        "kvbench": __version__,
+        "git_commit": _git_commit(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "device": str(device),
+        "device_name": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(device_name=props.name, device_memory=props.total_memory, cuda=torch.version.cuda)
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            info["driver"] = pynvml.nvmlSystemGetDriverVersion()
+        except Exception:  # NVML is optional: no driver version then
+            info["driver"] = None
+    return info
+
+
+def _git_commit() -> str | None:
+    source = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class RunFolder:
+    """One sweep's folder: what is done, and appending what gets done."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    @property
+    def records_path(self) -> Path:
+        return self.path / RECORDS
+
+    @property
+    def cells_path(self) -> Path:
+        return self.path / CELLS
+
+    def manifest(self) -> dict[str, Any] | None:
+        path = self.path / MANIFEST
+        if not path.exists():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError:
+            raise KvbenchError(f"{path}: corrupted manifest (not JSON)") from None
+
+    def open(self, manifest: dict[str, Any], force: bool) -> None:
+        """Start or resume: a folder holding another config's results is refused unless `force`."""
+        previous = self.manifest()
+        if previous and previous.get("config_hash") != manifest["config_hash"] and not force:
+            raise KvbenchError(
+                f"{self.path} holds results of a different config (hash {previous.get('config_hash')} vs "
+                f"{manifest['config_hash']}); use a new --output folder, or --force to reuse the cells both share"
+            )
+        self.path.mkdir(parents=True, exist_ok=True)
+        if previous:
+            manifest = {**manifest, "started": previous.get("started", manifest["started"]),
+                        "resumed": [*previous.get("resumed", []), manifest["started"]]}
+        self.write_manifest(manifest)
+        read_jsonl(self.records_path, repair=True)
+        read_jsonl(self.cells_path, repair=True)
+
+    def write_manifest(self, manifest: dict[str, Any]) -> None:
+        staging = self.path / (MANIFEST + ".tmp")
+        staging.write_text(json.dumps(manifest, indent=2, default=str))
+        staging.replace(self.path / MANIFEST)  # atomic: a kill never leaves half a manifest
+
+    def records(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.records_path)
+
+    def cells(self) -> dict[str, dict[str, Any]]:
+        """Final status per cell id (the last line for a cell wins)."""
+        return {row["cell_id"]: row for row in read_jsonl(self.cells_path)}
+
+    def done(self) -> set[tuple[str, str]]:
+        return {(row["cell_id"], row["sample_id"]) for row in self.records()}
+
+    def add_record(self, record: dict[str, Any]) -> None:
+        append_jsonl(self.records_path, record)
+
+    def add_cell(self, status: dict[str, Any]) -> None:
+        append_jsonl(self.cells_path, status)

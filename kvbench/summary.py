@@ -1,0 +1,147 @@
+"""Per-cell summaries of a run folder: mean score with a 95% bootstrap CI, the paired change
+against `full` on the same samples, and the speed and memory columns. Deterministic given the
+records (fixed bootstrap seed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from kvbench.results import RunFolder
+
+BOOTSTRAP_RESAMPLES = 2000
+MEASURES = ["cache_ratio", "kv_bytes_live", "kv_bytes_peak", "ttft_s", "tpot_s", "decode_tok_s", "prefill_tok_s",
+            "mem_peak_alloc"]
+# cells that share these see the same samples, so their scores pair up by sample id
+PAIRING = ["model", "task", "context_length", "question", "prefill", "samples", "seed"]
+
+
+def bootstrap_ci(values: np.ndarray, seed: int = 0) -> tuple[float, float]:
+    """95% percentile bootstrap interval of the mean."""
+    if len(values) == 0:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    means = values[rng.integers(0, len(values), (BOOTSTRAP_RESAMPLES, len(values)))].mean(axis=1)
+    low, high = np.percentile(means, [2.5, 97.5])
+    return float(low), float(high)
+
+
+def summarize(run: str | Path, write: bool = True) -> pd.DataFrame:
+    """One row per cell of the run's grid; writes summary.csv (+ .parquet with pyarrow) and summary.md."""
+    folder = RunFolder(run)
+    manifest = folder.manifest() or {}
+    grid = manifest.get("cells")
+    records = [r for r in folder.records() if grid is None or r["cell_id"] in grid]
+    statuses = folder.cells()
+    rows = [_row(cell_id, cell_records, statuses.get(cell_id)) for cell_id, cell_records in _by_cell(records).items()]
+    for cell_id, status in statuses.items():  # cells that failed before any sample
+        if (grid is None or cell_id in grid) and not any(r["cell_id"] == cell_id for r in rows):
+            rows.append(_row(cell_id, [], status))
+    frame = pd.DataFrame(rows)
+    if frame.empty:
+        return frame
+    _paired_deltas(frame, records)
+    frame = frame.sort_values(["task", "context_length", "question", "prefill", "policy", "budget_order", "params"],
+                              kind="stable").drop(columns=["budget_order"]).reset_index(drop=True)
+    if write:
+        path = Path(run)
+        frame.drop(columns=["_scores"]).to_csv(path / "summary.csv", index=False)
+        try:
+            frame.drop(columns=["_scores"]).to_parquet(path / "summary.parquet", index=False)
+        except ImportError:
+            pass
+        (path / "summary.md").write_text(markdown(frame, manifest))
+    return frame.drop(columns=["_scores"])
+
+
+def _by_cell(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    cells: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        cells.setdefault(record["cell_id"], []).append(record)
+    return cells
+
+
+def _row(cell_id: str, records: list[dict[str, Any]], status: dict[str, Any] | None) -> dict[str, Any]:
+    cell = records[0]["cell"] if records else status["cell"]
+    scores = {r["sample_id"]: r["scores"]["score"] for r in records}
+    values = np.array(list(scores.values()), dtype=float)
+    low, high = bootstrap_ci(values)
+    budget = cell["budget"]
+    row = {
+        "cell_id": cell_id,
+        "task": cell["task"]["name"],
+        "context_length": cell["context_length"],
+        "question": cell["question"],
+        "prefill": cell["prefill"]["mode"],
+        "policy": cell["policy"]["name"],
+        "params": ", ".join(f"{k}={v}" for k, v in cell["policy"]["params"].items()),
+        "budget": "-" if budget is None else str(budget),
+        "budget_order": (0, 0.0) if budget is None else ((1, budget) if isinstance(budget, float) else (2, budget)),
+        "status": status["status"] if status else "partial",
+        "n": len(values),
+        "score": values.mean() if len(values) else float("nan"),
+        "score_ci_low": low,
+        "score_ci_high": high,
+        "_scores": scores,
+        "_pairing": tuple(repr(cell[key]) for key in PAIRING),
+    }
+    for key in sorted({k for r in records for k in r["scores"]} - {"score"}):
+        row[f"score_{key}"] = float(np.mean([r["scores"][key] for r in records if key in r["scores"]]))
+    for measure in MEASURES:
+        present = [r[measure] for r in records if r.get(measure) is not None]
+        row[measure] = float(np.mean(present)) if present else float("nan")
+    row["budget_tokens"] = float(np.mean([r["budget_tokens"] for r in records])) if budget is not None and records \
+        else float("nan")
+    if status and status.get("message"):
+        row["message"] = status["message"]
+    return row
+
+
+def _paired_deltas(frame: pd.DataFrame, records: list[dict[str, Any]]) -> None:
+    """Score minus `full`'s score on the same samples, with a bootstrap CI of the paired differences."""
+    reference = {row["_pairing"]: row["_scores"] for _, row in frame.iterrows() if row["policy"] == "full"}
+    deltas, lows, highs = [], [], []
+    for _, row in frame.iterrows():
+        base = reference.get(row["_pairing"])
+        shared = sorted(set(row["_scores"]) & set(base)) if base else []
+        if not shared or row["policy"] == "full":
+            deltas.append(float("nan")), lows.append(float("nan")), highs.append(float("nan"))
+            continue
+        diff = np.array([row["_scores"][s] - base[s] for s in shared], dtype=float)
+        low, high = bootstrap_ci(diff)
+        deltas.append(float(diff.mean())), lows.append(low), highs.append(high)
+    frame["delta_vs_full"], frame["delta_ci_low"], frame["delta_ci_high"] = deltas, lows, highs
+    frame.drop(columns=["_pairing"], inplace=True)
+
+
+def markdown(frame: pd.DataFrame, manifest: dict[str, Any]) -> str:
+    """Readable tables, one per (task, context length, question placement, prefill mode)."""
+    env = manifest.get("environment", {})
+    lines = [f"# {manifest.get('name', 'run')}", "",
+             f"model `{manifest.get('config', {}).get('model', {}).get('id', '?')}` on {env.get('device', '?')} "
+             f"({env.get('device_name', '')}), kvbench {env.get('kvbench', '?')}, torch {env.get('torch', '?')}, "
+             f"transformers {env.get('transformers', '?')}; score = mean over samples [95% bootstrap CI]; "
+             "delta = paired change vs `full` on the same samples.", ""]
+    for (task, length, question, prefill), group in frame.groupby(
+            ["task", "context_length", "question", "prefill"], sort=False):
+        lines += [f"## {task}, {length} tokens, question {question}, prefill {prefill}", "",
+                  "| policy | params | budget | n | score | delta vs full | cache ratio | kv peak MiB | ttft s | "
+                  "tpot ms | status |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for _, r in group.iterrows():
+            delta = "" if pd.isna(r["delta_vs_full"]) else \
+                f"{r['delta_vs_full']:+.2f} [{r['delta_ci_low']:+.2f}, {r['delta_ci_high']:+.2f}]"
+            score = "" if pd.isna(r["score"]) else f"{r['score']:.2f} [{r['score_ci_low']:.2f}, {r['score_ci_high']:.2f}]"
+            lines.append(
+                f"| {r['policy']} | {r['params']} | {r['budget']} | {r['n']} | {score} | {delta} | "
+                f"{_num(r['cache_ratio'], '.3f')} | {_num(r['kv_bytes_peak'] / 2**20, '.1f')} | "
+                f"{_num(r['ttft_s'], '.2f')} | {_num(r['tpot_s'] * 1000, '.0f')} | {r['status']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _num(value: float, spec: str) -> str:
+    return "" if pd.isna(value) else format(value, spec)
