@@ -216,12 +216,149 @@ def summary_table(records: list[dict[str, Any]], model: dict[str, Any]) -> Table
     return table
 
 
+def sweep_table(frame, title: str) -> Table:
+    """The summary of a sweep, one row per cell (summary.md has the same, grouped)."""
+    import pandas as pd
+
+    varying = [column for column in ("task", "question", "prefill") if frame[column].nunique() > 1]
+    table = Table(title=f"{title}: score = mean [95% bootstrap CI]; delta = paired change vs full")
+    for column in (*varying, "context", "policy", "budget", "n", "score", "delta", "cache ratio", "kv peak",
+                   "status"):
+        table.add_column(column, no_wrap=column != "policy",
+                         justify="right" if column in ("context", "n", "cache ratio", "kv peak") else "left")
+    for _, r in frame.iterrows():
+        score = "" if pd.isna(r["score"]) else f"{r['score']:.2f} [{r['score_ci_low']:.2f},{r['score_ci_high']:.2f}]"
+        delta = "" if pd.isna(r["delta_vs_full"]) else f"{r['delta_vs_full']:+.2f}"
+        policy = f"{r['policy']} ({r['params']})" if r["params"] else r["policy"]
+        table.add_row(*(str(r[c]) for c in varying), str(r["context_length"]), policy, r["budget"], str(r["n"]),
+                      score, delta, "" if pd.isna(r["cache_ratio"]) else f"{r['cache_ratio']:.3f}",
+                      "" if pd.isna(r["kv_bytes_peak"]) else human_bytes(r["kv_bytes_peak"]), r["status"])
+    return table
+
+
 def human_bytes(count: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if count < 1024 or unit == "GiB":
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
         count /= 1024
     raise AssertionError("unreachable")
+
+
+def _default_output(name: str, shard_spec: str | None) -> str:
+    suffix = "" if not shard_spec else "-shard{}of{}".format(*shard_spec.split("/"))
+    return f"results/{name}{suffix}"
+
+
+@app.command()
+@user_errors
+def sweep(
+    config: str = typer.Argument(..., help="Sweep config (YAML), e.g. configs/smoke.yaml."),
+    overrides: list[str] = typer.Option([], "--set", help="Override a config key: --set budgets=[64,128], "
+                                        "--set model.dtype=bfloat16; repeatable."),
+    output: str | None = typer.Option(None, "--output", "-o", help="Run folder (default: results/<name>)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the grid size and an estimated time; run nothing."),
+    force: bool = typer.Option(False, "--force", help="Reuse a folder that holds another config's results "
+                               "(cells both configs share are kept)."),
+    shard_spec: str | None = typer.Option(None, "--shard", help="Run the i-th of N deterministic slices: 0/4."),
+    share: bool = typer.Option(True, "--share/--no-share", help="Share one prompt forward among the cells of a "
+                               "sample (default), or run every cell alone."),
+    retry_failed: bool = typer.Option(False, "--retry-failed", help="Run again the cells recorded as error/oom."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar (for CI logs)."),
+    plugins: str | None = PLUGINS,
+) -> None:
+    """Run a grid of policies x budgets x context lengths x tasks into a resumable run folder."""
+    from kvbench.config import load_config
+    from kvbench.models import count_parameters, load_model, resolve_device
+    from kvbench.registry import load_plugins
+    from kvbench.results import RunFolder, now
+    from kvbench.summary import summarize
+    from kvbench.sweep import Progress, estimate_seconds, expand, manifest, run_sweep, shard
+
+    if plugins:
+        load_plugins(plugins)
+    cfg = load_config(config, overrides)
+    cells = shard(expand(cfg), shard_spec)
+    folder = RunFolder(output or cfg.output or _default_output(cfg.name, shard_spec))
+    if dry_run:
+        done = folder.done() if folder.manifest() else set()
+        parameters = count_parameters(cfg.model.id)
+        estimate = "unknown" if parameters is None else \
+            f"~{estimate_seconds(cells, parameters, resolve_device(cfg.model.device), share) / 60:.1f} min"
+        stdout.print(f"{config}: {len(cells)} cells, {len({c.group for c in cells})} sample groups, "
+                     f"{len(done)} samples already in {folder.path}; estimated time {estimate} "
+                     "(a rough guess from model size: 2 x parameters FLOPs per token)", highlight=False)
+        return
+    lm = load_model(cfg.model.id, dtype=cfg.model.dtype, device=cfg.model.device, device_map=cfg.model.device_map,
+                    seed=cfg.seed)
+    run_manifest = manifest(cfg, cells, lm, shard_spec)
+    folder.open(run_manifest, force)
+    with _progress(disable=quiet) as bar:
+        cells_bar = bar.add_task("cells", total=len(cells))
+        samples_bar = bar.add_task("samples", total=None)
+
+        def update(progress: Progress) -> None:
+            bar.update(cells_bar, completed=progress.cells_done)
+            bar.update(samples_bar, completed=progress.samples_done, description=progress.current[:28] or "samples")
+            while progress.log:
+                stderr.print(f"[yellow]cell failed:[/] {progress.log.pop(0)}", highlight=False)
+
+        completed = run_sweep(cfg, lm, folder, cells, Progress(len(cells), 0, update), share=share,
+                              retry_failed=retry_failed)
+    folder.write_manifest({**(folder.manifest() or run_manifest), "finished": now() if completed else None})
+    frame = summarize(folder.path)
+    if not quiet and not frame.empty:
+        stdout.print(sweep_table(frame, cfg.name))
+    stdout.print(f"run folder: {folder.path} (summary.md, summary.csv, records.jsonl)", highlight=False)
+    if not completed:
+        stderr.print("interrupted: run the same command again to resume")
+        raise typer.Exit(130)
+
+
+@app.command()
+@user_errors
+def validate(
+    config: str = typer.Argument(..., help="Sweep config (YAML)."),
+    overrides: list[str] = typer.Option([], "--set", help="Override a config key; repeatable."),
+    plugins: str | None = PLUGINS,
+) -> None:
+    """Check a sweep config without running it."""
+    from kvbench.config import load_config
+    from kvbench.registry import load_plugins
+    from kvbench.sweep import expand
+
+    if plugins:
+        load_plugins(plugins)
+    cfg = load_config(config, overrides)
+    stdout.print(f"{config}: ok, {len(expand(cfg))} cells", highlight=False)
+
+
+@app.command()
+@user_errors
+def summarize(run: str = typer.Argument(..., help="Run folder.")) -> None:
+    """(Re)write summary.csv and summary.md of a run folder from its records."""
+    from pathlib import Path
+
+    from kvbench.summary import summarize as write_summary
+
+    if not (Path(run) / "manifest.json").exists():
+        raise KvbenchError(f"not a run folder (no manifest.json): {run}")
+    frame = write_summary(run)
+    stdout.print(f"{run}: {len(frame)} cells summarized into summary.csv and summary.md", highlight=False)
+
+
+@app.command()
+@user_errors
+def merge(
+    output: str = typer.Argument(..., help="Folder to write the merged run into."),
+    shards: list[str] = typer.Argument(..., help="Shard run folders (from `sweep --shard i/N`)."),
+) -> None:
+    """Combine the run folders of a sharded sweep into one."""
+    from kvbench.results import merge_runs
+    from kvbench.summary import summarize as write_summary
+
+    merge_runs(output, shards)
+    frame = write_summary(output)
+    stdout.print(f"{output}: merged {len(shards)} folders, {len(frame)} cells", highlight=False)
 
 
 def _listing(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:

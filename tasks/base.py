@@ -35,6 +35,10 @@ class Task:
                 seed: int) -> list[Sample]:
         raise NotImplementedError
 
+    def sample_count(self, count: int) -> int:
+        """How many samples `samples(..., count, ...)` makes."""
+        return count
+
     def score(self, prediction: str, sample: Sample) -> dict[str, float]:
         """Scores in [0, 1]; the key `score` is the headline number."""
         raise NotImplementedError

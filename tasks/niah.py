@@ -78,6 +78,9 @@ class NeedleInAHaystack(Task):
                 ))
         return out
 
+    def sample_count(self, count: int) -> int:
+        return count * len(self.depths)
+
     def _haystack(self, tokenizer, tokens: int) -> tuple[str, list[int]]:
         """Haystack text of exactly `tokens` tokens, and the end offset (chars) of each token."""
         source = (NOISE if self.haystack == "noise" else load_corpus(self.corpus)).strip() + " "

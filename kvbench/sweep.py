@@ -1,0 +1,246 @@
+"""Expand a config into cells and run them into a resumable run folder, sharing work.
+
+Cells that compress the same prompt in `full` prefill mode (same task sample, context length and
+question placement) share one forward over it: the prompt runs once, gathering every policy's
+attention statistics, and each cell starts from a copy of that cache. Only `chunked` cells, whose
+compression happens during the prompt, run it themselves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvbench.config import SweepConfig
+from kvbench.errors import KvbenchError
+from kvbench.models import LoadedModel
+from kvbench.policies import POLICIES, Policy
+from kvbench.results import RunFolder, environment, now
+from kvbench.runner import RunSettings, SharedPrefill, compressed_prompt, evaluate, shared_prefill
+from kvbench.tasks import TASKS, Sample, Task
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One point of the grid; its id hashes its canonical description, so YAML order changes no id."""
+
+    description: dict[str, Any]
+
+    @property
+    def id(self) -> str:
+        canonical = json.dumps(self.description, sort_keys=True, default=str)
+        return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+    @property
+    def group(self) -> tuple[str, int, str]:
+        """Cells of one group see the same samples, so they can share the prompt's forward."""
+        d = self.description
+        return json.dumps(d["task"], sort_keys=True), d["context_length"], d["question"]
+
+    def policy(self) -> Policy:
+        return POLICIES.build(self.description["policy"]["name"], self.description["policy"]["params"])
+
+    def settings(self) -> RunSettings:
+        d = self.description
+        return RunSettings(budget=d["budget"], prefill=d["prefill"]["mode"], prefill_chunk=d["prefill"]["chunk"] or 1,
+                           question=d["question"], evict_every=d["evict_every"], max_new_tokens=d["max_new_tokens"])
+
+    @property
+    def label(self) -> str:
+        d = self.description
+        params = ",".join(f"{k}={v}" for k, v in d["policy"]["params"].items())
+        budget = "" if d["budget"] is None else f" b={d['budget']}"
+        return f"{d['policy']['name']}{f'({params})' if params else ''}{budget} L={d['context_length']}"
+
+
+def expand(config: SweepConfig) -> list[Cell]:
+    """The grid: tasks x context lengths x question placements x policies x budgets (`full` once)."""
+    cells = []
+    for task in config.tasks:
+        for length in config.context_lengths:
+            for question in config.question:
+                for policy in config.policies:
+                    is_full = not POLICIES.get(policy.name).phases
+                    for budget in [None] if is_full else config.budgets:
+                        cells.append(Cell({
+                            "model": {"id": config.model.id, "dtype": config.model.dtype},
+                            "task": task.canonical(),
+                            "policy": policy.canonical(),
+                            "budget": budget,
+                            "context_length": length,
+                            "prefill": {"mode": config.prefill.mode,
+                                        "chunk": config.prefill.chunk if config.prefill.mode == "chunked" else None},
+                            "question": question,
+                            "samples": config.samples,
+                            "seed": config.seed,
+                            "evict_every": config.evict_every,
+                            "max_new_tokens": config.max_new_tokens,
+                        }))
+    unique = {cell.id: cell for cell in cells}  # a policy listed twice runs once
+    return list(unique.values())
+
+
+def shard(cells: list[Cell], spec: str | None) -> list[Cell]:
+    """`i/N`: every N-th cell by id, starting at the i-th (0-based): deterministic on every machine."""
+    if not spec:
+        return cells
+    try:
+        index, count = (int(part) for part in spec.split("/"))
+    except ValueError:
+        raise KvbenchError(f"--shard '{spec}' is not of the form i/N (e.g. 0/4)") from None
+    if not 0 <= index < count:
+        raise KvbenchError(f"--shard '{spec}': i must be in [0, N)")
+    ordered = sorted(cells, key=lambda cell: cell.id)
+    return ordered[index::count]
+
+
+@dataclass
+class Progress:
+    """What the progress display shows; the sweep calls `update` as it goes."""
+
+    cells_total: int
+    samples_total: int
+    update: Callable[[Progress], None] = lambda progress: None
+    cells_done: int = 0
+    samples_done: int = 0
+    current: str = ""
+    log: list[str] = field(default_factory=list)
+
+
+class Interrupt:
+    """First Ctrl-C: finish the sample in flight, then stop. Second Ctrl-C: stop now."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __enter__(self) -> Interrupt:
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+
+def manifest(config: SweepConfig, cells: list[Cell], lm: LoadedModel, shard_spec: str | None) -> dict[str, Any]:
+    return {
+        "name": config.name,
+        "config": config.model_dump(),
+        "config_hash": config.result_hash(),
+        "shard": shard_spec,
+        "cells": [cell.id for cell in cells],
+        "model": lm.describe(),
+        "environment": environment(lm.device),
+        "seed": config.seed,
+        "started": now(),
+    }
+
+
+def run_sweep(config: SweepConfig, lm: LoadedModel, folder: RunFolder, cells: list[Cell], progress: Progress,
+              share: bool = True, retry_failed: bool = False) -> bool:
+    """Run every unfinished (cell, sample) into `folder`; True if it completed, False if interrupted."""
+    done = folder.done()
+    finished = {cid for cid, status in folder.cells().items() if status["status"] == "ok" or not retry_failed}
+    pending = [cell for cell in cells if cell.id not in finished]
+    progress.cells_done = len(cells) - len(pending)
+    progress.samples_done = sum(1 for cell_id, _ in done if cell_id in {c.id for c in cells})
+    progress.update(progress)
+    groups: dict[tuple, list[Cell]] = {}
+    for cell in pending:
+        groups.setdefault(cell.group, []).append(cell)
+    with Interrupt() as interrupt:
+        for group in groups.values():
+            if not _run_group(lm, folder, group, done, progress, share, interrupt):
+                return False
+    return True
+
+
+def _run_group(lm: LoadedModel, folder: RunFolder, cells: list[Cell], done: set[tuple[str, str]],
+               progress: Progress, share: bool, interrupt: Interrupt) -> bool:
+    first = cells[0].description
+    failed: dict[str, dict[str, Any]] = {}
+    try:
+        task: Task = TASKS.build(first["task"]["name"], first["task"]["params"])
+        samples = task.samples(lm.tokenizer, first["context_length"], first["samples"], first["seed"])
+    except KvbenchError as exc:  # e.g. a context length too short for the task: every cell of the group fails
+        for cell in cells:
+            folder.add_cell(_failure(cell, exc))
+            progress.cells_done += 1
+        progress.log.append(f"{cells[0].label}: {exc}")
+        return True
+    started = {cell.id: time.perf_counter() for cell in cells}
+    for sample in samples:
+        todo = [c for c in cells if (c.id, sample.id) not in done and c.id not in failed]
+        shared = _shared(lm, todo, sample, first["question"]) if share else None
+        for cell in todo:
+            if interrupt.requested:
+                return False
+            progress.current = f"{cell.label} {sample.id}"
+            progress.update(progress)
+            try:
+                record = evaluate(lm, task, cell.policy(), sample, cell.settings(), cell.description["context_length"],
+                                  cell.description["seed"], shared=shared if _sharable(cell) else None)
+            except Exception as exc:  # one failing cell never stops the sweep
+                failed[cell.id] = _failure(cell, exc)
+                folder.add_cell(failed[cell.id])
+                progress.log.append(f"{cell.label}: {failed[cell.id]['status']}: {failed[cell.id]['message']}")
+                progress.cells_done += 1
+                continue
+            folder.add_record({"cell_id": cell.id, "cell": cell.description, **record})
+            progress.samples_done += 1
+            progress.update(progress)
+        del shared
+    for cell in cells:
+        if cell.id not in failed:
+            folder.add_cell({"cell_id": cell.id, "cell": cell.description, "status": "ok", "samples": len(samples),
+                             "seconds": round(time.perf_counter() - started[cell.id], 3), "finished": now()})
+            progress.cells_done += 1
+    progress.update(progress)
+    return True
+
+
+def _sharable(cell: Cell) -> bool:
+    return cell.description["prefill"]["mode"] == "full"
+
+
+def _shared(lm: LoadedModel, cells: list[Cell], sample: Sample, question: str) -> SharedPrefill | None:
+    users = [cell for cell in cells if _sharable(cell)]
+    if not users:
+        return None
+    return shared_prefill(lm, compressed_prompt(lm, sample, question), [cell.policy() for cell in users])
+
+
+def _failure(cell: Cell, exc: Exception) -> dict[str, Any]:
+    oom = isinstance(exc, torch.OutOfMemoryError)
+    if oom and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    message = str(exc) if isinstance(exc, KvbenchError) else f"{type(exc).__name__}: {exc}"
+    return {"cell_id": cell.id, "cell": cell.description, "status": "oom" if oom else "error",
+            "message": message.splitlines()[0] if message else type(exc).__name__, "finished": now()}
+
+
+def estimate_seconds(cells: list[Cell], parameters: int, device: torch.device, share: bool) -> float:
+    """A rough wall-time guess: 2 x parameters FLOPs per token at an assumed device throughput
+    (about 1.2e11 FLOP/s on 2 CPU cores, i.e. the ~450 prompt tokens/s measured for 135M parameters)."""
+    flops = 2e14 if device.type == "cuda" else 1.2e11
+    tokens, prompts_run = 0, set()
+    for cell in cells:
+        d = cell.description
+        task = TASKS.build(d["task"]["name"], d["task"]["params"])
+        samples = task.sample_count(d["samples"])
+        if not (share and _sharable(cell) and cell.group in prompts_run):
+            tokens += d["context_length"] * samples
+        prompts_run.add(cell.group)
+        tokens += (d["max_new_tokens"] or getattr(task, "max_new_tokens", 16)) * samples
+    return 2 * parameters * tokens / flops
