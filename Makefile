@@ -18,8 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 demo: install
-	$(BIN)/kvbench run --model smollm2-135m --task niah --context 1024 --context 2048 \
-		--depth 0.1 --depth 0.5 --depth 0.9 --budget 0.5 -p full -p window -p streaming_llm -p h2o -p snapkv
+	$(BIN)/kvbench sweep configs/smoke.yaml
 
 test: install
 	$(BIN)/python -m pytest -q

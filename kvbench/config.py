@@ -195,13 +195,27 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _assign(tree: dict[str, Any], keys: list[str], value: Any) -> None:
-    for key in keys[:-1]:
+def _assign(tree: Any, keys: list[str], value: Any) -> None:
+    """Set `value` at a dotted path; numeric parts index lists (`policies.0=window`)."""
+    *parents, last = keys
+    for key in parents:
+        if isinstance(tree, list):
+            tree = tree[_index(tree, key)]
+            continue
         node = tree.setdefault(key, {})
-        if not isinstance(node, dict):
+        if not isinstance(node, (dict, list)):
             node = tree[key] = {"id": node} if key == "model" else {}
         tree = node
-    tree[keys[-1]] = value
+    if isinstance(tree, list):
+        tree[_index(tree, last)] = value
+    else:
+        tree[last] = value
+
+
+def _index(items: list, key: str) -> int:
+    if not key.isdigit() or int(key) >= len(items):
+        raise KvbenchError(f"--set: '{key}' is not an index of a {len(items)}-item list")
+    return int(key)
 
 
 def _dotted(loc: tuple) -> str:

@@ -174,7 +174,7 @@ def count_parameters(spec: str) -> int | None:
         elif spec.endswith(".gguf"):
             return None
         else:
-            config = AutoConfig.from_pretrained(_local_source(spec))
+            config = AutoConfig.from_pretrained(_local_source(spec), local_files_only=True)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except (KvbenchError, OSError, ValueError):

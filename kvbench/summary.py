@@ -113,7 +113,7 @@ def _paired_deltas(frame: pd.DataFrame, records: list[dict[str, Any]]) -> None:
         low, high = bootstrap_ci(diff)
         deltas.append(float(diff.mean())), lows.append(low), highs.append(high)
     frame["delta_vs_full"], frame["delta_ci_low"], frame["delta_ci_high"] = deltas, lows, highs
-    frame.drop(columns=["_pairing"], inplace=True)
+    del frame["_pairing"]
 
 
 def markdown(frame: pd.DataFrame, manifest: dict[str, Any]) -> str:

@@ -231,16 +231,18 @@ def _failure(cell: Cell, exc: Exception) -> dict[str, Any]:
 
 
 def estimate_seconds(cells: list[Cell], parameters: int, device: torch.device, share: bool) -> float:
-    """A rough wall-time guess: 2 x parameters FLOPs per token at an assumed device throughput
-    (about 1.2e11 FLOP/s on 2 CPU cores, i.e. the ~450 prompt tokens/s measured for 135M parameters)."""
+    """A rough wall-time guess from model size: a prompt token costs 2 x parameters FLOPs at an assumed
+    throughput (1.2e11 FLOP/s on 2 CPU cores: the ~450 prompt tokens/s measured for 135M parameters);
+    a decoded token, bound by memory and latency, about 40 times more (~90 ms there)."""
     flops = 2e14 if device.type == "cuda" else 1.2e11
-    tokens, prompts_run = 0, set()
+    per_token = 2 * parameters / flops
+    seconds, prompts_run = 0.0, set()
     for cell in cells:
         d = cell.description
         task = TASKS.build(d["task"]["name"], d["task"]["params"])
         samples = task.sample_count(d["samples"])
         if not (share and _sharable(cell) and cell.group in prompts_run):
-            tokens += d["context_length"] * samples
+            seconds += d["context_length"] * samples * per_token
         prompts_run.add(cell.group)
-        tokens += (d["max_new_tokens"] or getattr(task, "max_new_tokens", 16)) * samples
-    return 2 * parameters * tokens / flops
+        seconds += (d["max_new_tokens"] or getattr(task, "max_new_tokens", 16)) * samples * per_token * 40
+    return seconds

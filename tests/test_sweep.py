@@ -1,0 +1,287 @@
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from kvbench.cli import app
+from kvbench.config import load_config
+from kvbench.results import RunFolder
+from kvbench.summary import summarize
+from kvbench.sweep import expand
+
+runner = CliRunner()
+ROOT = Path(__file__).resolve().parent.parent
+# columns that depend only on the records' scores and cache accounting, not on timing
+STABLE = ["cell_id", "policy", "params", "budget", "context_length", "n", "score", "score_ci_low", "score_ci_high",
+          "delta_vs_full", "delta_ci_low", "delta_ci_high", "cache_ratio", "kv_bytes_live", "kv_bytes_peak", "status"]
+TINY = {
+    "name": "tiny",
+    "model": {"id": "random:tiny-llama", "dtype": "float32", "device": "cpu"},
+    "policies": ["full", "window", {"name": "h2o", "recent_ratio": 0.5}, {"name": "snapkv", "window": 8}],
+    "budgets": [32, 0.5],
+    "context_lengths": [300],
+    "tasks": [{"name": "niah", "depths": [0.3, 0.7]}],
+    "samples": 2,
+    "max_new_tokens": 3,
+}
+
+
+def write_config(folder: Path, config: dict, name: str = "sweep.yaml") -> Path:
+    path = folder / name
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def sweep(config: Path, output: Path, *extra: str):
+    result = runner.invoke(app, ["sweep", str(config), "-o", str(output), "-q", *extra])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def records_by_key(folder: Path) -> dict[tuple[str, str], dict]:
+    rows = RunFolder(folder).records()
+    keys = [(r["cell_id"], r["sample_id"]) for r in rows]
+    assert len(keys) == len(set(keys)), "a (cell, sample) was recorded twice"
+    return dict(zip(keys, rows, strict=True))
+
+
+def test_cell_ids_do_not_depend_on_yaml_order(tmp_path):
+    reordered = {**TINY, "policies": list(reversed(TINY["policies"])), "budgets": [0.5, 32]}
+    reordered = dict(reversed(list(reordered.items())))
+    first = {c.id for c in expand(load_config(write_config(tmp_path, TINY, "a.yaml")))}
+    second = {c.id for c in expand(load_config(write_config(tmp_path, reordered, "b.yaml")))}
+    assert first == second and len(first) == 1 + 3 * 2
+
+
+def test_sweep_writes_the_run_folder_and_a_rerun_runs_nothing(tmp_path):
+    config = write_config(tmp_path, TINY)
+    sweep(config, tmp_path / "run")
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["config_hash"] and manifest["environment"]["torch"] and manifest["finished"]
+    assert len(RunFolder(tmp_path / "run").records()) == 7 * 4  # 2 samples x 2 depths
+    assert {s["status"] for s in RunFolder(tmp_path / "run").cells().values()} == {"ok"}
+    frame = pd.read_csv(tmp_path / "run" / "summary.csv")
+    assert len(frame) == 7 and "score_ci_low" in frame and "delta_vs_full" in frame
+    assert "| policy |" in (tmp_path / "run" / "summary.md").read_text()
+    before = (tmp_path / "run" / "records.jsonl").read_bytes()
+    started = time.perf_counter()
+    sweep(config, tmp_path / "run")
+    assert (tmp_path / "run" / "records.jsonl").read_bytes() == before
+    assert time.perf_counter() - started < 5
+
+
+def test_shared_prefill_gives_the_records_of_cells_run_alone(tmp_path):
+    config = write_config(tmp_path, {**TINY, "question": ["aware", "agnostic"]})
+    sweep(config, tmp_path / "shared")
+    sweep(config, tmp_path / "alone", "--no-share")
+    shared, alone = records_by_key(tmp_path / "shared"), records_by_key(tmp_path / "alone")
+    assert shared.keys() == alone.keys()
+    assert any(r["prefill_shared"] for r in shared.values()) and not any(r["prefill_shared"] for r in alone.values())
+    for key, record in shared.items():
+        for field in ("prediction", "scores", "kv_bytes_live", "kv_bytes_physical", "kv_bytes_peak", "kv_bytes_full",
+                      "kept_max_ever", "evictions", "generated_tokens"):
+            assert record[field] == alone[key][field], (key, field)
+
+
+def test_killed_sweep_resumes_to_the_uninterrupted_result(tmp_path):
+    config = write_config(tmp_path, {**TINY, "context_lengths": [300, 700], "samples": 4})
+    run = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "kvbench.cli", "sweep", str(config), "-o", str(run), "-q"],
+                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    records = run / "records.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not records.exists() or records.read_text().count("\n") < 6):
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    killed_at = records.read_text().count("\n")
+    assert 6 <= killed_at < 2 * 7 * 8, "the kill should land mid-run"
+    with records.open("a") as handle:  # what a kill during a write leaves behind
+        handle.write('{"cell_id": "abc", "sample_')
+    sweep(config, run)
+    sweep(config, tmp_path / "straight")
+    resumed, straight = records_by_key(run), records_by_key(tmp_path / "straight")
+    assert resumed.keys() == straight.keys() and len(resumed) == 2 * 7 * 8
+    columns = lambda folder: summarize(folder, write=False)[STABLE].reset_index(drop=True)  # noqa: E731
+    pd.testing.assert_frame_equal(columns(run), columns(tmp_path / "straight"))
+
+
+def test_a_failing_cell_is_recorded_and_the_others_finish(tmp_path):
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "broken.py").write_text(textwrap.dedent('''
+        from dataclasses import dataclass
+        import torch
+        from kvbench.policies import Policy, register
+
+        @register
+        @dataclass
+        class Crashes(Policy):
+            """Fails when it must evict."""
+            name = "crashes"
+            def score(self, layer, budget):
+                raise RuntimeError("impossible parameter at run time")
+
+        @register
+        @dataclass
+        class Oom(Policy):
+            """Simulates running out of device memory."""
+            name = "oom"
+            def score(self, layer, budget):
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    '''))
+    config = write_config(tmp_path, {**TINY, "policies": ["full", "crashes", "oom", "window"], "budgets": [32]})
+    sweep(config, tmp_path / "run", "--plugins", str(plugins))
+    statuses = {s["cell"]["policy"]["name"]: s for s in RunFolder(tmp_path / "run").cells().values()}
+    assert statuses["crashes"]["status"] == "error" and "impossible parameter" in statuses["crashes"]["message"]
+    assert statuses["oom"]["status"] == "oom" and "out of memory" in statuses["oom"]["message"]
+    assert statuses["full"]["status"] == statuses["window"]["status"] == "ok"
+    frame = pd.read_csv(tmp_path / "run" / "summary.csv")
+    assert set(frame["status"]) == {"ok", "error", "oom"}
+
+
+def test_shards_merge_into_the_full_run(tmp_path):
+    config = write_config(tmp_path, TINY)
+    sweep(config, tmp_path / "s0", "--shard", "0/2")
+    sweep(config, tmp_path / "s1", "--shard", "1/2")
+    assert 0 < len(RunFolder(tmp_path / "s0").cells()) < 7
+    result = runner.invoke(app, ["merge", str(tmp_path / "merged"), str(tmp_path / "s0"), str(tmp_path / "s1")])
+    assert result.exit_code == 0, result.output
+    sweep(config, tmp_path / "whole")
+    assert records_by_key(tmp_path / "merged").keys() == records_by_key(tmp_path / "whole").keys()
+    merged, whole = (summarize(tmp_path / name, write=False)[STABLE] for name in ("merged", "whole"))
+    pd.testing.assert_frame_equal(merged.reset_index(drop=True), whole.reset_index(drop=True))
+
+
+def test_a_changed_config_is_refused_unless_forced(tmp_path):
+    sweep(write_config(tmp_path, TINY), tmp_path / "run")
+    changed = write_config(tmp_path, {**TINY, "budgets": [32, 64]}, "changed.yaml")
+    result = runner.invoke(app, ["sweep", str(changed), "-o", str(tmp_path / "run"), "-q"])
+    assert result.exit_code == 2 and "different config" in result.output
+    before = len(RunFolder(tmp_path / "run").records())
+    sweep(changed, tmp_path / "run", "--force")
+    after = RunFolder(tmp_path / "run").records()
+    assert len(after) == before + 3 * 4  # only the new budget's cells ran
+    assert len(summarize(tmp_path / "run", write=False)) == 1 + 3 * 2
+
+
+def test_include_and_set_overrides(tmp_path):
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({k: v for k, v in TINY.items() if k != "name"}))
+    config = tmp_path / "child.yaml"
+    config.write_text("include: base.yaml\nname: child\nbudgets: [16]\n")
+    loaded = load_config(config, ["context_lengths=[128,256]", "model.dtype=bfloat16", "policies.0=window"])
+    assert loaded.budgets == [16] and loaded.context_lengths == [128, 256] and loaded.model.dtype == "bfloat16"
+    assert loaded.model.id == "random:tiny-llama" and loaded.name == "child"
+
+
+def test_dry_run_prints_grid_and_estimate(tmp_path):
+    result = runner.invoke(app, ["sweep", str(write_config(tmp_path, TINY)), "-o", str(tmp_path / "r"), "--dry-run"])
+    assert result.exit_code == 0 and "7 cells" in result.output and "estimated time" in result.output
+    assert not (tmp_path / "r").exists()
+
+
+BAD = [
+    ("name: x\nmodel: m\npolicies: [full]\nbudgets: [1]\ncontext_lengths: [9]\ntasks: [niah]\nfoo: 1\n",
+     ":7: foo: unknown key 'foo'"),
+    ("name: x\nmodel: {id: m, dtyp: float32}\npolicies: [full]\nbudgets: [1]\ncontext_lengths: [9]\ntasks: [niah]\n",
+     ":2: model.dtyp: unknown key 'dtyp'"),
+    ("name: x\npolicies: [full, h3o]\nbudgets: [1]\ncontext_lengths: [9]\ntasks: [niah]\n",
+     ":2: policies[1].name: unknown policy 'h3o'"),
+    ("name: x\npolicies: [{name: h2o, recent: 3}]\nbudgets: [8]\ncontext_lengths: [9]\ntasks: [niah]\n",
+     "has no parameter 'recent'"),
+    ("name: x\npolicies: [window]\nbudgets: [64, -5]\ncontext_lengths: [9]\ntasks: [niah]\n",
+     ":3: budgets: budget must be a positive token count"),
+    ("name: x\npolicies: [window]\nbudgets: [1.5]\ncontext_lengths: [9]\ntasks: [niah]\n",
+     ":3: budgets"),
+    ("name: x\npolicies: []\nbudgets: [8]\ncontext_lengths: [9]\ntasks: [niah]\n",
+     ":2: policies: List should have at least 1 item"),
+    ("name: x\npolicies: [window\nbudgets: [8]\n", "malformed YAML"),
+    ("name: x\npolicies: [snapkv]\nbudgets: [16]\ncontext_lengths: [9]\ntasks: [niah]\n",
+     "budgets: snapkv: budget 16 must exceed the observation window"),
+    ("name: x\npolicies: [window]\nbudgets: [8]\ncontext_lengths: [0]\ntasks: [niah]\n", "context_lengths"),
+    ("name: x\npolicies: [window]\nbudgets: [8]\ncontext_lengths: [9]\ntasks: [{name: niah, depths: [2]}]\n",
+     ":5: tasks[0].name: task 'niah' parameter 'depths'"),
+    ("name: x\npolicies: [window]\nbudgets: [8]\ncontext_lengths: [9]\ntasks: [niah]\nquestion: sideways\n",
+     ":6: question[0]: Input should be 'aware' or 'agnostic'"),
+    ("policies: [window]\nbudgets: [8]\ncontext_lengths: [9]\ntasks: [niah]\n", "missing key 'name'"),
+    ("- just\n- a list\n", "a config must be a mapping"),
+    ("include: nowhere.yaml\nname: x\n", "config file not found"),
+]
+
+
+@pytest.mark.parametrize("text,culprit", BAD)
+def test_bad_configs_are_one_line_errors_with_exit_2(tmp_path, text, culprit):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    for command in (["validate", str(path)], ["sweep", str(path), "-o", str(tmp_path / "run")]):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 2, result.output
+        assert culprit in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_set_and_missing_config(tmp_path):
+    path = write_config(tmp_path, TINY)
+    result = runner.invoke(app, ["validate", str(path), "--set", "budgets"])
+    assert result.exit_code == 2 and "key=value" in result.output
+    result = runner.invoke(app, ["validate", str(tmp_path / "none.yaml")])
+    assert result.exit_code == 2 and "config file not found" in result.output
+
+
+def test_corrupted_record_line_names_file_and_line(tmp_path):
+    config = write_config(tmp_path, TINY)
+    sweep(config, tmp_path / "run")
+    lines = (tmp_path / "run" / "records.jsonl").read_text().splitlines(keepends=True)
+    lines[2] = "{not json\n"
+    (tmp_path / "run" / "records.jsonl").write_text("".join(lines))
+    result = runner.invoke(app, ["sweep", str(config), "-o", str(tmp_path / "run"), "-q"])
+    assert result.exit_code == 2 and "records.jsonl:3: corrupted result line" in result.output
+
+
+def test_paired_delta_and_bootstrap_ci(tmp_path):
+    folder = RunFolder(tmp_path)
+    folder.open({"config_hash": "h", "started": "t", "cells": ["f", "p"]}, force=False)
+    base = {"model": "m", "task": {"name": "t", "params": {}}, "context_length": 9, "question": "aware",
+            "prefill": {"mode": "full", "chunk": None}, "samples": 4, "seed": 0}
+    for cell_id, name, budget, scores in (("f", "full", None, [1, 1, 1, 0]), ("p", "window", 8, [1, 0, 1, 0])):
+        cell = {**base, "policy": {"name": name, "params": {}}, "budget": budget}
+        for index, score in enumerate(scores):
+            folder.add_record({"cell_id": cell_id, "cell": cell, "sample_id": f"s{index}", "scores": {"score": score},
+                               "budget_tokens": budget, "cache_ratio": 1.0})
+        folder.add_cell({"cell_id": cell_id, "cell": cell, "status": "ok"})
+    frame = summarize(tmp_path).set_index("policy")
+    assert frame.loc["window", "score"] == 0.5 and frame.loc["window", "delta_vs_full"] == -0.25
+    assert frame.loc["window", "delta_ci_low"] == -0.75 and frame.loc["window", "delta_ci_high"] == 0.0
+    assert frame.loc["full", "score_ci_low"] <= 0.75 <= frame.loc["full", "score_ci_high"]
+    assert summarize(tmp_path).equals(summarize(tmp_path))  # deterministic
+
+
+def test_ctrl_c_stops_after_the_sample_in_flight(tmp_path):
+    config = write_config(tmp_path, {**TINY, "context_lengths": [300, 700], "samples": 4})
+    run = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "kvbench.cli", "sweep", str(config), "-o", str(run), "-q"],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    records = run / "records.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not records.exists() or records.read_text().count("\n") < 4):
+        time.sleep(0.01)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130 and "run the same command again to resume" in err
+    text = records.read_text()
+    assert text.endswith("\n") and text.count("\n") < 2 * 7 * 8  # stopped cleanly, early
+    assert (run / "summary.csv").exists()
+    sweep(config, run)
+    assert len(records_by_key(run)) == 2 * 7 * 8
