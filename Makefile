@@ -27,7 +27,9 @@ lint: install
 	$(BIN)/ruff check kvbench policies tasks tests benchmarks
 
 bench: install
+	$(BIN)/python benchmarks/eviction_step.py
 	$(BIN)/python benchmarks/decode_overhead.py
+	$(BIN)/python benchmarks/sweep_sharing.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -10,11 +10,13 @@ entry's original position for the policies that need recency.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvbench.measure import synchronize
 from kvbench.policies.base import Policy
 
 
@@ -202,6 +204,7 @@ class KVCache(Cache):
             observers = [policy]
         self.observers = list({p.state_key: p for p in observers if p.needs_attention}.values())
         self.observing = bool(self.observers)
+        self.observe_seconds: dict[str, float] = {}
         self.phase = "prefill"
         self.evictions = 0
         self.peak_slots = 0
@@ -220,8 +223,17 @@ class KVCache(Cache):
 
     def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
         """Called by the kvbench attention function after each layer's attention (see attention.py)."""
+        if len(self.observers) == 1:
+            self.observers[0].observe(self.layers[layer_idx], query, key, scaling, self.phase)
+            return
+        # a shared prefill times each policy's statistics, so each cell's prefill time counts its own only
         for policy in self.observers:
+            synchronize(query.device)
+            start = time.perf_counter()
             policy.observe(self.layers[layer_idx], query, key, scaling, self.phase)
+            synchronize(query.device)
+            self.observe_seconds[policy.state_key] = self.observe_seconds.get(policy.state_key, 0.0) + (
+                time.perf_counter() - start)
 
     def adopt(self, shared: KVCache) -> None:
         """Start from a copy of a shared prefill's cache (with this policy's statistics), as if this cache

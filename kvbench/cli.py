@@ -272,7 +272,7 @@ def sweep(
     from kvbench.registry import load_plugins
     from kvbench.results import RunFolder, now
     from kvbench.summary import summarize
-    from kvbench.sweep import Progress, estimate_seconds, expand, manifest, run_sweep, shard
+    from kvbench.sweep import Progress, estimate_seconds, expand, manifest, run_sweep, sample_total, shard
 
     if plugins:
         load_plugins(plugins)
@@ -302,7 +302,8 @@ def sweep(
             while progress.log:
                 stderr.print(f"[yellow]cell failed:[/] {progress.log.pop(0)}", highlight=False)
 
-        completed = run_sweep(cfg, lm, folder, cells, Progress(len(cells), 0, update), share=share,
+        bar.update(samples_bar, total=sample_total(cells))
+        completed = run_sweep(lm, folder, cells, Progress(len(cells), sample_total(cells), update), share=share,
                               retry_failed=retry_failed)
     folder.write_manifest({**(folder.manifest() or run_manifest), "finished": now() if completed else None})
     frame = summarize(folder.path)
@@ -359,6 +360,75 @@ def merge(
     merge_runs(output, shards)
     frame = write_summary(output)
     stdout.print(f"{output}: merged {len(shards)} folders, {len(frame)} cells", highlight=False)
+
+
+def parse_fraction(text: str, option: str) -> float:
+    """`5%` or `0.05` -> 0.05."""
+    try:
+        value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
+    except ValueError:
+        raise KvbenchError(f"{option} '{text}' is not a percentage like 5% or a fraction like 0.05") from None
+    if value < 0:
+        raise KvbenchError(f"{option} must not be negative, got {text}")
+    return value
+
+
+@app.command()
+@user_errors
+def baseline(
+    run: str = typer.Argument(..., help="Run folder to freeze."),
+    out: str = typer.Option(..., "--out", help="Baseline file to write, e.g. baselines/smoke.json."),
+) -> None:
+    """Freeze a run's per-cell metrics (scores per sample, kv peak, speed ratios) as a baseline."""
+    from kvbench.gate import make_baseline
+
+    made = make_baseline(run, out)
+    stdout.print(f"{out}: baseline of {len(made['cells'])} cells from {run}", highlight=False)
+
+
+@app.command(name="gate")
+@user_errors
+def gate_command(
+    run: str = typer.Argument(..., help="Run folder to check."),
+    baseline_path: str = typer.Option(..., "--baseline", help="Baseline from `kvbench baseline`."),
+    max_drop: float = typer.Option(1.0, "--max-drop", min=0, help="Allowed score drop in points (score x 100); a "
+                                   "cell fails only if the 95% CI of its paired change lies wholly below -max-drop."),
+    max_mem_increase: str = typer.Option("5%", "--max-mem-increase", help="Allowed growth of kv peak bytes."),
+    max_slowdown: str | None = typer.Option(None, "--max-slowdown", help="Allowed fall of decode/prefill tokens/s "
+                                            "relative to full in the same run, e.g. 20%; unchecked if not given."),
+    strict: bool = typer.Option(False, "--strict", help="Fail on cells missing from the run or the baseline."),
+    junit_path: str | None = typer.Option(None, "--junit", help="Write JUnit XML here."),
+    markdown_path: str | None = typer.Option(None, "--markdown", help="Write a Markdown report here."),
+) -> None:
+    """Check a run against a baseline: exit 1 on a regression, 2 on bad input, 0 otherwise."""
+    from pathlib import Path
+
+    from kvbench.gate import Limits, gate, junit, load_baseline, markdown
+
+    limits = Limits(max_drop=max_drop, max_mem_increase=parse_fraction(max_mem_increase, "--max-mem-increase"),
+                    max_slowdown=None if max_slowdown is None else parse_fraction(max_slowdown, "--max-slowdown"),
+                    strict=strict)
+    checks = gate(run, load_baseline(baseline_path), limits)
+    table = Table(title=f"kvbench gate: {run} against {baseline_path}")
+    for column in ("cell", "verdict", "score", "change [95% CI]", "kv peak", "why"):
+        table.add_column(column)
+    colour = {"pass": "green", "fail": "bold red", "missing": "yellow", "new": "yellow"}
+    for c in checks:
+        table.add_row(
+            c.label, f"[{colour[c.verdict]}]{c.verdict}[/]",
+            "" if c.score is None else f"{c.score[0]:.2f} -> {c.score[1]:.2f}",
+            "" if c.delta is None else f"{c.delta[0]:+.1f} [{c.delta[1]:+.1f}, {c.delta[2]:+.1f}]",
+            "" if c.memory is None else f"{c.memory[1] / c.memory[0] - 1:+.1%}", "; ".join(c.reasons + c.notes))
+    stdout.print(table)
+    if junit_path:
+        Path(junit_path).write_text(junit(checks))
+    if markdown_path:
+        Path(markdown_path).write_text(markdown(checks))
+    failed = [c for c in checks if c.failed]
+    stdout.print(f"{len(failed)} of {len(checks)} cells failed" if failed else f"all {len(checks)} cells passed",
+                 highlight=False)
+    if failed:
+        raise typer.Exit(1)
 
 
 def _listing(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:

@@ -100,6 +100,11 @@ class SharedPrefill:
     seconds: float
     mem_peak: int
 
+    def seconds_for(self, policy: Policy) -> float:
+        """The forward's time without the other policies' statistics: what `policy` alone would have spent."""
+        spent = self.cache.observe_seconds
+        return self.seconds - sum(spent.values()) + spent.get(policy.state_key, 0.0)
+
 
 @torch.inference_mode()
 def shared_prefill(lm: LoadedModel, ids: list[int], observers: list[Policy]) -> SharedPrefill:
@@ -151,7 +156,7 @@ def generate(lm: LoadedModel, policy: Policy, context_ids: list[int], question_i
             logits = forward(lm, cache, question_ids)
             if policy.evicts_during_decode:
                 cache.compress()
-        prefill_s = clock.lap() + (shared.seconds if shared else 0.0)
+        prefill_s = clock.lap() + (shared.seconds_for(policy) if shared else 0.0)
         tokens = [int(logits.argmax(-1))]
         ttft_s = prefill_s + clock.lap()
         step_s: list[float] = []

@@ -147,8 +147,17 @@ def manifest(config: SweepConfig, cells: list[Cell], lm: LoadedModel, shard_spec
     }
 
 
-def run_sweep(config: SweepConfig, lm: LoadedModel, folder: RunFolder, cells: list[Cell], progress: Progress,
-              share: bool = True, retry_failed: bool = False) -> bool:
+def sample_total(cells: list[Cell]) -> int:
+    """Samples the grid scores in all (cells x the samples each cell's task makes)."""
+    return sum(cell_task(cell).sample_count(cell.description["samples"]) for cell in cells)
+
+
+def cell_task(cell: Cell) -> Task:
+    return TASKS.build(cell.description["task"]["name"], cell.description["task"]["params"])
+
+
+def run_sweep(lm: LoadedModel, folder: RunFolder, cells: list[Cell], progress: Progress, share: bool = True,
+              retry_failed: bool = False) -> bool:
     """Run every unfinished (cell, sample) into `folder`; True if it completed, False if interrupted."""
     done = folder.done()
     finished = {cid for cid, status in folder.cells().items() if status["status"] == "ok" or not retry_failed}
@@ -171,7 +180,7 @@ def _run_group(lm: LoadedModel, folder: RunFolder, cells: list[Cell], done: set[
     first = cells[0].description
     failed: dict[str, dict[str, Any]] = {}
     try:
-        task: Task = TASKS.build(first["task"]["name"], first["task"]["params"])
+        task = cell_task(cells[0])
         samples = task.samples(lm.tokenizer, first["context_length"], first["samples"], first["seed"])
     except KvbenchError as exc:  # e.g. a context length too short for the task: every cell of the group fails
         for cell in cells:
@@ -239,7 +248,7 @@ def estimate_seconds(cells: list[Cell], parameters: int, device: torch.device, s
     seconds, prompts_run = 0.0, set()
     for cell in cells:
         d = cell.description
-        task = TASKS.build(d["task"]["name"], d["task"]["params"])
+        task = cell_task(cell)
         samples = task.sample_count(d["samples"])
         if not (share and _sharable(cell) and cell.group in prompts_run):
             seconds += d["context_length"] * samples * per_token

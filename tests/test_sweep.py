@@ -49,6 +49,17 @@ def sweep(config: Path, output: Path, *extra: str):
     return result
 
 
+def sweep_until(config: Path, run: Path, records: int) -> subprocess.Popen:
+    """Start a sweep in a subprocess and return once it has written `records` records."""
+    process = subprocess.Popen([sys.executable, "-m", "kvbench.cli", "sweep", str(config), "-o", str(run), "-q"],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    path, deadline = run / "records.jsonl", time.time() + 120
+    while time.time() < deadline and (not path.exists() or path.read_text().count("\n") < records):
+        time.sleep(0.01)
+    return process
+
+
 def records_by_key(folder: Path) -> dict[tuple[str, str], dict]:
     rows = RunFolder(folder).records()
     keys = [(r["cell_id"], r["sample_id"]) for r in rows]
@@ -97,12 +108,8 @@ def test_shared_prefill_gives_the_records_of_cells_run_alone(tmp_path):
 def test_killed_sweep_resumes_to_the_uninterrupted_result(tmp_path):
     config = write_config(tmp_path, {**TINY, "context_lengths": [300, 700], "samples": 4})
     run = tmp_path / "run"
-    process = subprocess.Popen([sys.executable, "-m", "kvbench.cli", "sweep", str(config), "-o", str(run), "-q"],
-                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    process = sweep_until(config, run, records=6)
     records = run / "records.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not records.exists() or records.read_text().count("\n") < 6):
-        time.sleep(0.01)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     killed_at = records.read_text().count("\n")
@@ -271,12 +278,8 @@ def test_paired_delta_and_bootstrap_ci(tmp_path):
 def test_ctrl_c_stops_after_the_sample_in_flight(tmp_path):
     config = write_config(tmp_path, {**TINY, "context_lengths": [300, 700], "samples": 4})
     run = tmp_path / "run"
-    process = subprocess.Popen([sys.executable, "-m", "kvbench.cli", "sweep", str(config), "-o", str(run), "-q"],
-                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = sweep_until(config, run, records=4)
     records = run / "records.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not records.exists() or records.read_text().count("\n") < 4):
-        time.sleep(0.01)
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 130 and "run the same command again to resume" in err
@@ -285,3 +288,14 @@ def test_ctrl_c_stops_after_the_sample_in_flight(tmp_path):
     assert (run / "summary.csv").exists()
     sweep(config, run)
     assert len(records_by_key(run)) == 2 * 7 * 8
+
+
+@pytest.mark.parametrize("name", ["smoke", "llama7b", "ci", "gate"])
+def test_shipped_configs_validate(name):
+    result = runner.invoke(app, ["validate", str(ROOT / "configs" / f"{name}.yaml")])
+    assert result.exit_code == 0, result.output
+
+
+def test_ci_config_runs_on_a_random_model(tmp_path):
+    sweep(ROOT / "configs" / "ci.yaml", tmp_path / "ci")
+    assert {s["status"] for s in RunFolder(tmp_path / "ci").cells().values()} == {"ok"}

@@ -1,0 +1,235 @@
+"""Freeze a run's per-cell metrics as a baseline, and gate a later run against it.
+
+A score regression fails only when the paired bootstrap CI of (run - baseline) over the same
+samples lies wholly below -max_drop: noise does not fail the gate, a real drop does. Memory is
+deterministic and fails beyond a relative increase. Speed is compared only as ratios against the
+`full` cell of the same run (absolute times are never compared across machines).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from xml.etree import ElementTree
+
+import numpy as np
+
+from kvbench.errors import KvbenchError
+from kvbench.results import RunFolder, now
+from kvbench.summary import bootstrap_ci
+
+FORMAT = "kvbench-baseline/1"
+SPEED = ("decode_tok_s", "prefill_tok_s")  # higher is better; ratios against full in the same run
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def cell_metrics(run: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """The run's manifest and, per cell id, what a baseline keeps of it."""
+    folder = RunFolder(run)
+    manifest = folder.manifest()
+    if manifest is None:
+        raise KvbenchError(f"not a run folder (no manifest.json): {run}")
+    statuses = folder.cells()
+    by_cell: dict[str, list[dict[str, Any]]] = {}
+    for record in folder.records():
+        if record["cell_id"] in manifest["cells"]:
+            by_cell.setdefault(record["cell_id"], []).append(record)
+    full_speed = {}
+    for records in by_cell.values():
+        cell = records[0]["cell"]
+        if cell["policy"]["name"] == "full":
+            full_speed[_pairing(cell)] = {key: _mean(records, key) for key in SPEED}
+    cells = {}
+    for cell_id in manifest["cells"]:
+        records = by_cell.get(cell_id, [])
+        status = statuses.get(cell_id, {}).get("status", "missing" if not records else "partial")
+        if not records:
+            described = statuses.get(cell_id, {}).get("cell")
+            cells[cell_id] = {"status": status, **({"label": _label(described)} if described else {})}
+            continue
+        cell = records[0]["cell"]
+        scores = {r["sample_id"]: r["scores"]["score"] for r in records}
+        low, high = bootstrap_ci(np.array(list(scores.values()), dtype=float))
+        base = full_speed.get(_pairing(cell), {})
+        cells[cell_id] = {
+            "label": _label(cell),
+            "status": status,
+            "n": len(scores),
+            "score": float(np.mean(list(scores.values()))),
+            "score_ci": [low, high],
+            "samples": scores,
+            "predictions": {r["sample_id"]: _digest(r["prediction"]) for r in records},
+            "kv_bytes_peak": _mean(records, "kv_bytes_peak"),
+            "cache_ratio": _mean(records, "cache_ratio"),
+            "speed_vs_full": {key: _mean(records, key) / base[key] for key in SPEED if base.get(key)},
+        }
+    return manifest, cells
+
+
+def _mean(records: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in records if r.get(key) is not None]
+    return float(np.mean(values)) if values else None
+
+
+def _pairing(cell: dict[str, Any]) -> str:
+    keys = ("model", "task", "context_length", "question", "prefill", "samples", "seed")
+    return json.dumps({k: cell[k] for k in keys}, sort_keys=True)
+
+
+def _label(cell: dict[str, Any]) -> str:
+    params = ",".join(f"{k}={v}" for k, v in cell["policy"]["params"].items())
+    budget = "" if cell["budget"] is None else f" b={cell['budget']}"
+    return (f"{cell['task']['name']} L={cell['context_length']} {cell['question']} "
+            f"{cell['policy']['name']}{f'({params})' if params else ''}{budget}")
+
+
+def make_baseline(run: str | Path, out: str | Path) -> dict[str, Any]:
+    manifest, cells = cell_metrics(run)
+    baseline = {
+        "format": FORMAT,
+        "created": now(),
+        "source_run": str(run),
+        "name": manifest.get("name"),
+        "config_hash": manifest["config_hash"],
+        "environment": manifest.get("environment", {}),
+        "cells": cells,
+    }
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_suffix(out.suffix + ".tmp")
+    staging.write_text(json.dumps(baseline, indent=1, sort_keys=True))
+    staging.replace(out)
+    return baseline
+
+
+def load_baseline(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise KvbenchError(f"baseline not found: {path}")
+    try:
+        baseline = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise KvbenchError(f"{path}:{exc.lineno}: baseline is not valid JSON") from None
+    if not isinstance(baseline, dict) or baseline.get("format") != FORMAT:
+        raise KvbenchError(f"{path}: not a kvbench baseline (expected format {FORMAT})")
+    return baseline
+
+
+@dataclass
+class Limits:
+    max_drop: float = 1.0  # score points (score x 100)
+    max_mem_increase: float = 0.05  # fraction
+    max_slowdown: float | None = None  # fraction; None: speed is not gated
+    strict: bool = False
+
+
+@dataclass
+class Check:
+    cell_id: str
+    label: str
+    verdict: str  # pass | fail | missing | new
+    reasons: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    score: tuple[float, float] | None = None  # baseline, run
+    delta: tuple[float, float, float] | None = None  # mean, CI low, CI high (points)
+    memory: tuple[float, float] | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.verdict == "fail"
+
+
+def gate(run: str | Path, baseline: dict[str, Any], limits: Limits) -> list[Check]:
+    manifest, current = cell_metrics(run)
+    if manifest["config_hash"] != baseline["config_hash"]:
+        raise KvbenchError(
+            f"the baseline was made from another config (hash {baseline['config_hash']}, this run "
+            f"{manifest['config_hash']}): make a new baseline with `kvbench baseline`"
+        )
+    checks = []
+    for cell_id in sorted(set(baseline["cells"]) | set(current), key=lambda c: _sort_key(baseline, current, c)):
+        base, now_ = baseline["cells"].get(cell_id), current.get(cell_id)
+        label = (now_ or {}).get("label") or (base or {}).get("label") or cell_id
+        if base is None:
+            checks.append(Check(cell_id, label, "fail" if limits.strict else "new", ["not in the baseline"]))
+        elif now_ is None or ("samples" not in now_ and now_["status"] not in ("error", "oom")):
+            status = (now_ or {}).get("status", "not in the run's grid")
+            checks.append(Check(cell_id, label, "fail" if limits.strict else "missing", [f"not run ({status})"]))
+        elif "samples" not in now_:
+            if "samples" in base:
+                checks.append(Check(cell_id, label, "fail", [f"status {now_['status']}"]))
+            else:
+                checks.append(Check(cell_id, label, "pass", notes=[f"{now_['status']}, as in the baseline"]))
+        elif "samples" not in base:
+            checks.append(Check(cell_id, label, "pass", notes=[f"was {base['status']} in the baseline"]))
+        else:
+            checks.append(_compare(cell_id, label, base, now_, limits))
+    return checks
+
+
+def _sort_key(baseline: dict[str, Any], current: dict[str, Any], cell_id: str) -> str:
+    return (current.get(cell_id) or baseline["cells"].get(cell_id) or {}).get("label", cell_id)
+
+
+def _compare(cell_id: str, label: str, base: dict[str, Any], run: dict[str, Any], limits: Limits) -> Check:
+    check = Check(cell_id, label, "pass", score=(base["score"], run["score"]))
+    if run["status"] != "ok":
+        check.reasons.append(f"status {run['status']}")
+    shared = sorted(set(base["samples"]) & set(run["samples"]))
+    if shared:
+        diff = np.array([run["samples"][s] - base["samples"][s] for s in shared], dtype=float) * 100
+        low, high = bootstrap_ci(diff)
+        check.delta = (float(diff.mean()), low, high)
+        if high < -limits.max_drop:
+            check.reasons.append(f"score dropped {-diff.mean():.1f} points (95% CI of the change "
+                                 f"[{low:+.1f}, {high:+.1f}] is below -{limits.max_drop:g})")
+        changed = sum(base["predictions"].get(s) != run["predictions"].get(s) for s in shared)
+        if changed:
+            check.notes.append(f"{changed}/{len(shared)} predictions changed")
+    if base.get("kv_bytes_peak") and run.get("kv_bytes_peak") is not None:
+        check.memory = (base["kv_bytes_peak"], run["kv_bytes_peak"])
+        growth = run["kv_bytes_peak"] / base["kv_bytes_peak"] - 1
+        if growth > limits.max_mem_increase:
+            check.reasons.append(f"kv peak grew {growth:+.1%} (limit {limits.max_mem_increase:.0%})")
+    if limits.max_slowdown is not None:
+        for key, ratio in run.get("speed_vs_full", {}).items():
+            before = base.get("speed_vs_full", {}).get(key)
+            if before and ratio < before * (1 - limits.max_slowdown):
+                check.reasons.append(f"{key} vs full fell from {before:.2f}x to {ratio:.2f}x "
+                                     f"(limit -{limits.max_slowdown:.0%})")
+    if check.reasons:
+        check.verdict = "fail"
+    return check
+
+
+def junit(checks: list[Check]) -> str:
+    suite = ElementTree.Element("testsuite", name="kvbench-gate", tests=str(len(checks)),
+                                failures=str(sum(c.failed for c in checks)),
+                                skipped=str(sum(c.verdict in ("missing", "new") for c in checks)))
+    for check in checks:
+        case = ElementTree.SubElement(suite, "testcase", classname="kvbench.gate", name=check.label)
+        if check.failed:
+            ElementTree.SubElement(case, "failure", message="; ".join(check.reasons)).text = "; ".join(check.reasons)
+        elif check.verdict in ("missing", "new"):
+            ElementTree.SubElement(case, "skipped", message="; ".join(check.reasons))
+    return ElementTree.tostring(suite, encoding="unicode")
+
+
+def markdown(checks: list[Check]) -> str:
+    failed = sum(c.failed for c in checks)
+    lines = [f"## kvbench gate: {'FAILED' if failed else 'passed'} ({failed} of {len(checks)} cells failed)", "",
+             "| cell | verdict | score (baseline -> run) | change, points [95% CI] | kv peak | why |",
+             "|---|---|---|---|---|---|"]
+    for c in checks:
+        score = "" if c.score is None else f"{c.score[0]:.2f} -> {c.score[1]:.2f}"
+        delta = "" if c.delta is None else f"{c.delta[0]:+.1f} [{c.delta[1]:+.1f}, {c.delta[2]:+.1f}]"
+        memory = "" if c.memory is None else f"{c.memory[1] / c.memory[0] - 1:+.1%}"
+        lines.append(f"| {c.label} | {c.verdict} | {score} | {delta} | {memory} | "
+                     f"{'; '.join(c.reasons + c.notes)} |")
+    return "\n".join(lines) + "\n"

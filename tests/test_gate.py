@@ -1,0 +1,116 @@
+"""The gate on constructed run folders where the right verdict is known."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from xml.etree import ElementTree
+
+import pytest
+from typer.testing import CliRunner
+
+from kvbench.cli import app
+from kvbench.results import RunFolder
+
+runner = CliRunner()
+BASE_CELL = {"model": {"id": "m"}, "task": {"name": "niah", "params": {}}, "context_length": 512,
+             "question": "aware", "prefill": {"mode": "full", "chunk": None}, "samples": 8, "seed": 0}
+
+
+def make_run(path: Path, cells: dict[str, dict], config_hash: str = "h1") -> Path:
+    """cells: id -> {policy, budget, scores, kv_peak, decode_tok_s}"""
+    folder = RunFolder(path)
+    folder.open({"name": "t", "config_hash": config_hash, "started": "t", "cells": sorted(cells)}, force=False)
+    for cell_id, spec in cells.items():
+        cell = {**BASE_CELL, "policy": {"name": spec["policy"], "params": {}}, "budget": spec.get("budget")}
+        for index, score in enumerate(spec["scores"]):
+            folder.add_record({
+                "cell_id": cell_id, "cell": cell, "sample_id": f"s{index}", "scores": {"score": score},
+                "prediction": spec.get("prediction", "123"), "kv_bytes_peak": spec.get("kv_peak", 1000),
+                "cache_ratio": 0.5, "decode_tok_s": spec.get("decode_tok_s", 100.0), "prefill_tok_s": 1000.0,
+            })
+        folder.add_cell({"cell_id": cell_id, "cell": cell, "status": "ok"})
+    return path
+
+
+def cells(window_scores=(1,) * 8, **window):
+    return {"full": {"policy": "full", "scores": [1] * 8},
+            "win": {"policy": "window", "budget": 64, "scores": list(window_scores), **window}}
+
+
+def run_gate(tmp_path, baseline_cells, run_cells, *options, run_hash="h1"):
+    make_run(tmp_path / "base", baseline_cells)
+    made = runner.invoke(app, ["baseline", str(tmp_path / "base"), "--out", str(tmp_path / "baseline.json")])
+    assert made.exit_code == 0, made.output
+    make_run(tmp_path / "run", run_cells, config_hash=run_hash)
+    return runner.invoke(app, ["gate", str(tmp_path / "run"), "--baseline", str(tmp_path / "baseline.json"),
+                               *options])
+
+
+def test_identical_run_passes(tmp_path):
+    result = run_gate(tmp_path, cells(), cells())
+    assert result.exit_code == 0 and "all 2 cells passed" in result.output
+
+
+def test_a_real_drop_fails(tmp_path):
+    result = run_gate(tmp_path, cells(), cells(window_scores=[0] * 8), "--junit", str(tmp_path / "j.xml"),
+                      "--markdown", str(tmp_path / "m.md"))
+    assert result.exit_code == 1 and "score dropped 100.0 points" in (tmp_path / "m.md").read_text()
+    suite = ElementTree.parse(tmp_path / "j.xml").getroot()
+    assert suite.get("failures") == "1" and suite.get("tests") == "2"
+    assert "FAILED (1 of 2 cells failed)" in (tmp_path / "m.md").read_text()
+
+
+def test_a_drop_within_noise_passes(tmp_path):
+    noisy = run_gate(tmp_path, cells(window_scores=[1, 0, 1, 0, 1, 0, 1, 0]),
+                     cells(window_scores=[0, 0, 1, 0, 1, 0, 1, 0]))
+    assert noisy.exit_code == 0, noisy.output
+
+
+def test_memory_growth_fails_beyond_the_limit(tmp_path):
+    assert run_gate(tmp_path, cells(kv_peak=1000), cells(kv_peak=1100)).exit_code == 1
+    small = run_gate(tmp_path / "b", cells(kv_peak=1000), cells(kv_peak=1030))
+    assert small.exit_code == 0
+    loose = run_gate(tmp_path / "c", cells(kv_peak=1000), cells(kv_peak=1100), "--max-mem-increase", "15%")
+    assert loose.exit_code == 0
+
+
+def test_speed_ratio_regression_fails_but_absolute_time_alone_passes(tmp_path):
+    slower_cell = cells(decode_tok_s=50.0)  # full stays at 100: the ratio falls from 0.8 to 0.5
+    report = tmp_path / "report.md"
+    result = run_gate(tmp_path, cells(decode_tok_s=80.0), slower_cell, "--max-slowdown", "20%", "--markdown",
+                      str(report))
+    assert result.exit_code == 1 and "decode_tok_s vs full fell from 0.80x to 0.50x" in report.read_text()
+    whole_machine_slower = cells(decode_tok_s=40.0)
+    whole_machine_slower["full"]["decode_tok_s"] = 50.0  # everything twice as slow: same ratio
+    assert run_gate(tmp_path / "b", cells(decode_tok_s=80.0), whole_machine_slower, "--max-slowdown", "20%") \
+        .exit_code == 0
+    assert run_gate(tmp_path / "c", cells(decode_tok_s=80.0), slower_cell).exit_code == 0  # speed not gated
+
+
+def test_missing_cells_are_reported_and_fail_only_with_strict(tmp_path):
+    fewer = {"full": cells()["full"]}
+    result = run_gate(tmp_path, cells(), fewer)
+    assert result.exit_code == 0 and "missing" in result.output
+    assert run_gate(tmp_path / "b", cells(), fewer, "--strict").exit_code == 1
+
+
+def test_changed_predictions_are_reported(tmp_path):
+    result = run_gate(tmp_path, cells(), cells(prediction="456"), "--markdown", str(tmp_path / "m.md"))
+    assert result.exit_code == 0 and "8/8 predictions changed" in (tmp_path / "m.md").read_text()
+
+
+@pytest.mark.parametrize("args,culprit", [
+    (["--max-mem-increase", "lots"], "--max-mem-increase 'lots'"),
+    (["--baseline", "/no/such.json"], "baseline not found"),
+])
+def test_bad_gate_input(tmp_path, args, culprit):
+    make_run(tmp_path / "run", cells())
+    runner.invoke(app, ["baseline", str(tmp_path / "run"), "--out", str(tmp_path / "b.json")])
+    base = ["gate", str(tmp_path / "run"), "--baseline", str(tmp_path / "b.json")]
+    result = runner.invoke(app, base + args)
+    assert result.exit_code == 2 and culprit in result.output
+
+
+def test_a_baseline_from_another_config_is_a_clear_error(tmp_path):
+    result = run_gate(tmp_path, cells(), cells(), run_hash="other")
+    assert result.exit_code == 2 and "another config" in result.output
