@@ -270,9 +270,9 @@ def sweep(
     from kvbench.config import load_config
     from kvbench.models import count_parameters, load_model, resolve_device
     from kvbench.registry import load_plugins
-    from kvbench.results import RunFolder, now
+    from kvbench.results import RunFolder
     from kvbench.summary import summarize
-    from kvbench.sweep import Progress, estimate_seconds, expand, manifest, run_sweep, sample_total, shard
+    from kvbench.sweep import estimate_seconds, expand, finished_cells, shard
 
     if plugins:
         load_plugins(plugins)
@@ -288,24 +288,14 @@ def sweep(
                      f"{len(done)} samples already in {folder.path}; estimated time {estimate} "
                      "(a rough guess from model size: 2 x parameters FLOPs per token)", highlight=False)
         return
-    lm = load_model(cfg.model.id, dtype=cfg.model.dtype, device=cfg.model.device, device_map=cfg.model.device_map,
-                    seed=cfg.seed)
-    run_manifest = manifest(cfg, cells, lm, shard_spec)
-    folder.open(run_manifest, force)
-    with _progress(disable=quiet) as bar:
-        cells_bar = bar.add_task("cells", total=len(cells))
-        samples_bar = bar.add_task("samples", total=None)
-
-        def update(progress: Progress) -> None:
-            bar.update(cells_bar, completed=progress.cells_done)
-            bar.update(samples_bar, completed=progress.samples_done, description=progress.current[:28] or "samples")
-            while progress.log:
-                stderr.print(f"[yellow]cell failed:[/] {progress.log.pop(0)}", highlight=False)
-
-        bar.update(samples_bar, total=sample_total(cells))
-        completed = run_sweep(lm, folder, cells, Progress(len(cells), sample_total(cells), update), share=share,
-                              retry_failed=retry_failed)
-    folder.write_manifest({**(folder.manifest() or run_manifest), "finished": now() if completed else None})
+    previous = folder.manifest()
+    if previous and previous["config_hash"] == cfg.result_hash() and {c.id for c in cells} <= finished_cells(
+            folder, retry_failed):
+        completed = True  # nothing left to run: no need to load the model
+    else:
+        lm = load_model(cfg.model.id, dtype=cfg.model.dtype, device=cfg.model.device,
+                        device_map=cfg.model.device_map, seed=cfg.seed)
+        completed = _run(cfg, cells, lm, folder, shard_spec, force, quiet, share, retry_failed)
     frame = summarize(folder.path)
     if not quiet and not frame.empty:
         stdout.print(sweep_table(frame, cfg.name))
@@ -313,6 +303,29 @@ def sweep(
     if not completed:
         stderr.print("interrupted: run the same command again to resume")
         raise typer.Exit(130)
+
+
+def _run(cfg, cells, lm, folder, shard_spec, force: bool, quiet: bool, share: bool, retry_failed: bool) -> bool:
+    """Open the run folder and run the sweep with a progress bar; False if interrupted."""
+    from kvbench.results import now
+    from kvbench.sweep import Progress, manifest, run_sweep, sample_total
+
+    run_manifest = manifest(cfg, cells, lm, shard_spec)
+    folder.open(run_manifest, force)
+    with _progress(disable=quiet) as bar:
+        cells_bar = bar.add_task("cells", total=len(cells))
+        samples_bar = bar.add_task("samples", total=sample_total(cells))
+
+        def update(progress: Progress) -> None:
+            bar.update(cells_bar, completed=progress.cells_done)
+            bar.update(samples_bar, completed=progress.samples_done, description=progress.current[:28] or "samples")
+            while progress.log:
+                stderr.print(f"[yellow]cell failed:[/] {progress.log.pop(0)}", highlight=False)
+
+        completed = run_sweep(lm, folder, cells, Progress(len(cells), sample_total(cells), update), share=share,
+                              retry_failed=retry_failed)
+    folder.write_manifest({**(folder.manifest() or run_manifest), "finished": now() if completed else None})
+    return completed
 
 
 @app.command()

@@ -156,11 +156,16 @@ def cell_task(cell: Cell) -> Task:
     return TASKS.build(cell.description["task"]["name"], cell.description["task"]["params"])
 
 
+def finished_cells(folder: RunFolder, retry_failed: bool) -> set[str]:
+    """Cells a rerun skips: those with a final status (ok, or failed unless retrying them)."""
+    return {cid for cid, status in folder.cells().items() if status["status"] == "ok" or not retry_failed}
+
+
 def run_sweep(lm: LoadedModel, folder: RunFolder, cells: list[Cell], progress: Progress, share: bool = True,
               retry_failed: bool = False) -> bool:
     """Run every unfinished (cell, sample) into `folder`; True if it completed, False if interrupted."""
     done = folder.done()
-    finished = {cid for cid, status in folder.cells().items() if status["status"] == "ok" or not retry_failed}
+    finished = finished_cells(folder, retry_failed)
     pending = [cell for cell in cells if cell.id not in finished]
     progress.cells_done = len(cells) - len(pending)
     progress.samples_done = sum(1 for cell_id, _ in done if cell_id in {c.id for c in cells})
