@@ -1,0 +1,253 @@
+"""Figures of a run folder: score vs cache ratio and vs kv bytes, needle heatmaps, memory vs context,
+speed vs budget, and the accuracy/memory Pareto front. Every figure is built from summary rows (or,
+for heatmaps, from the records), so what is drawn is what summary.csv says.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from kvbench.errors import KvbenchError
+from kvbench.results import RunFolder
+from kvbench.summary import summarize
+
+# Okabe-Ito: distinguishable with every common colour-vision deficiency
+OKABE_ITO = ["#E69F00", "#56B4E9", "#009E73", "#0072B2", "#D55E00", "#CC79A7", "#F0E442", "#999999"]
+FIXED_COLOURS = {"full": "#000000", "window": "#E69F00", "streaming_llm": "#56B4E9", "h2o": "#009E73",
+                 "snapkv": "#0072B2", "random": "#999999"}
+STYLES = {
+    "default": {"figure.dpi": 110, "font.size": 9},
+    # two-column paper: 3.4 in wide columns, fonts that embed as TrueType in PDF
+    "paper": {"figure.dpi": 300, "font.size": 7, "axes.titlesize": 7, "axes.labelsize": 7, "legend.fontsize": 6,
+              "xtick.labelsize": 6, "ytick.labelsize": 6, "pdf.fonttype": 42, "ps.fonttype": 42,
+              "font.family": "DejaVu Sans", "lines.linewidth": 1.0, "lines.markersize": 3},
+}
+PANEL_SIZE = {"default": (4.2, 3.2), "paper": (3.4, 2.4)}
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise KvbenchError("plotting needs matplotlib: pip install 'kvbench[plot]'") from None
+    return plt
+
+
+def policy_colour(policy: str) -> str:
+    """The same colour for a policy in every figure of every run."""
+    return FIXED_COLOURS.get(policy) or OKABE_ITO[zlib.crc32(policy.encode()) % len(OKABE_ITO)]
+
+
+def _series_label(row: pd.Series) -> str:
+    return f"{row['policy']} ({row['params']})" if row["params"] else row["policy"]
+
+
+def _budget_key(budget: str) -> tuple[int, float]:
+    if budget == "-":
+        return (0, 0.0)
+    value = float(budget)
+    return (1, value) if "." in budget else (2, value)
+
+
+def figures(run: str | Path, style: str = "default", log_x: bool = False) -> dict[str, Any]:
+    """Name -> matplotlib Figure for every plot the run's data supports."""
+    plt = _pyplot()
+    if style not in STYLES:
+        raise KvbenchError(f"unknown style '{style}' (use {', '.join(STYLES)})")
+    frame = summarize(run, write=False)
+    if frame.empty:
+        raise KvbenchError(f"{run}: no records to plot")
+    records = RunFolder(run).records()
+    out: dict[str, Any] = {}
+    with plt.rc_context(STYLES[style]):
+        for task, rows in frame.groupby("task", sort=False):
+            out[f"score_vs_ratio_{task}"] = _score_curves(plt, rows, "cache_ratio", "cache ratio (kept / full KV bytes)",
+                                                          style, log_x)
+            out[f"score_vs_bytes_{task}"] = _score_curves(plt, rows, "kv_bytes_live", "KV cache held (MiB)", style,
+                                                          log_x, scale=2**-20)
+            depth_records = [r for r in records if r["cell"]["task"]["name"] == task and "depth" in r.get("meta", {})]
+            if depth_records:
+                out[f"needle_heatmaps_{task}"] = _needle_heatmaps(plt, depth_records, style)
+        out["memory_vs_context"] = _memory(plt, frame, style)
+        out["speed_vs_budget"] = _speed(plt, frame, style)
+        out["pareto"] = _pareto(plt, frame, style)
+    return out
+
+
+def plot_run(run: str | Path, out: str | Path | None = None, fmt: str = "png", style: str = "default",
+             log_x: bool = False) -> list[Path]:
+    """Write every figure of `run` into `out` (default RUN/figures) as `fmt`; returns the paths."""
+    if fmt not in ("png", "pdf", "svg"):
+        raise KvbenchError(f"unknown format '{fmt}' (use png, pdf or svg)")
+    plt = _pyplot()
+    target = Path(out) if out else Path(run) / "figures"
+    target.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, figure in figures(run, style, log_x).items():
+        path = target / f"{name}.{fmt}"
+        figure.savefig(path, bbox_inches="tight")
+        plt.close(figure)
+        written.append(path)
+    return written
+
+
+def _panels(plt, count: int, style: str, rows: int = 1):
+    columns = -(-count // rows)
+    width, height = PANEL_SIZE[style]
+    figure, axes = plt.subplots(rows, columns, figsize=(width * columns, height * rows), squeeze=False)
+    return figure, axes.ravel()
+
+
+def _failed_note(axis, rows: pd.DataFrame) -> None:
+    """Cells without a score (oom, error, not run) leave a gap; say which, in the panel."""
+    missing = rows[rows["score"].isna()]
+    if len(missing):
+        text = "\n".join(f"{r['status']}: {_series_label(r)} b={r['budget']}" for _, r in missing.iterrows())
+        axis.text(0.02, 0.02, text, transform=axis.transAxes, fontsize="x-small", color="#D55E00", va="bottom")
+
+
+def _score_curves(plt, rows: pd.DataFrame, x: str, xlabel: str, style: str, log_x: bool, scale: float = 1.0):
+    lengths = sorted(rows["context_length"].unique())
+    figure, axes = _panels(plt, len(lengths), style)
+    for axis, length in zip(axes, lengths, strict=True):
+        panel = rows[rows["context_length"] == length]
+        for label, series in panel.groupby(panel.apply(_series_label, axis=1), sort=False):
+            colour = policy_colour(series["policy"].iloc[0])
+            if series["policy"].iloc[0] == "full":
+                full = series.iloc[0]
+                axis.axhline(full["score"], color=colour, linestyle="--", label="full")
+                axis.axhspan(full["score_ci_low"], full["score_ci_high"], color=colour, alpha=0.08)
+                continue
+            series = series.sort_values(x)
+            xs = series[x].to_numpy(dtype=float) * scale
+            axis.plot(xs, series["score"], marker="o", color=colour, label=label)
+            axis.fill_between(xs, series["score_ci_low"], series["score_ci_high"], color=colour, alpha=0.15)
+        _failed_note(axis, panel)
+        axis.set(title=f"{panel['task'].iloc[0]}, {length} tokens", xlabel=xlabel, ylabel="score",
+                 ylim=(-0.05, 1.05))
+        if log_x:
+            axis.set_xscale("log")
+        axis.grid(alpha=0.3)
+    figure.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=min(3, len(labels)),
+                  fontsize="small", frameon=False)
+    return figure
+
+
+def _needle_heatmaps(plt, records: list[dict[str, Any]], style: str):
+    """Depth x context length, one panel per policy (row) and budget (column), red-yellow-green 0 to 1."""
+    frame = pd.DataFrame({
+        "policy": [_series_label(pd.Series({"policy": r["cell"]["policy"]["name"], "params": ", ".join(
+            f"{k}={v}" for k, v in r["cell"]["policy"]["params"].items())})) for r in records],
+        "budget": ["-" if r["cell"]["budget"] is None else str(r["cell"]["budget"]) for r in records],
+        "depth": [r["meta"]["depth"] for r in records],
+        "length": [r["cell"]["context_length"] for r in records],
+        "score": [r["scores"]["score"] for r in records],
+    })
+    policies = sorted(frame["policy"].unique(), key=lambda p: (p != "full", p))
+    budgets = sorted(frame["budget"].unique(), key=_budget_key)
+    budgets = [b for b in budgets if b != "-"] or ["-"]
+    depths, lengths = sorted(frame["depth"].unique()), sorted(frame["length"].unique())
+    width, height = PANEL_SIZE[style]
+    figure, axes = plt.subplots(len(policies), len(budgets), squeeze=False, layout="constrained",
+                                figsize=(0.6 * width * len(budgets) + 1, 0.55 * height * len(policies)))
+    image = None
+    for row, policy in enumerate(policies):
+        for column, budget in enumerate(budgets):
+            axis = axes[row, column]
+            cell = frame[(frame["policy"] == policy) & (frame["budget"].isin(["-"] if policy == "full" else [budget]))]
+            if cell.empty or (policy == "full" and column > 0):
+                axis.set_visible(False)
+                continue
+            grid = cell.pivot_table(index="depth", columns="length", values="score", aggfunc="mean")
+            values = grid.reindex(index=depths, columns=lengths).to_numpy(dtype=float)
+            image = axis.imshow(values, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+            for (i, j), value in np.ndenumerate(values):
+                if not np.isnan(value):
+                    axis.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize="x-small")
+            axis.set_xticks(range(len(lengths)), [str(v) for v in lengths], fontsize="x-small")
+            axis.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize="x-small")
+            budget_text = "" if policy == "full" else f"b={budget}, "
+            axis.set_title(f"{budget_text}mean {np.nanmean(values):.2f}", fontsize="small")
+            if column == 0:
+                axis.set_ylabel(f"{policy}\ndepth", fontsize="small")
+            if row == len(policies) - 1:
+                axis.set_xlabel("context length", fontsize="small")
+    if image is not None:
+        figure.colorbar(image, ax=axes.ravel().tolist(), shrink=0.6, label="score")
+    return figure
+
+
+def _memory(plt, frame: pd.DataFrame, style: str):
+    figure, axes = _panels(plt, 2, style)
+    for axis, column, label in ((axes[0], "kv_bytes_peak", "peak KV cache (MiB)"),
+                                (axes[1], "mem_peak_alloc", "peak process / allocator memory (MiB)")):
+        for key, series in frame.groupby([frame.apply(_series_label, axis=1), "budget"], sort=False):
+            series = series.sort_values("context_length")
+            name = key[0] if key[1] == "-" else f"{key[0]} b={key[1]}"
+            axis.plot(series["context_length"], series[column] / 2**20, marker="o",
+                      color=policy_colour(series["policy"].iloc[0]), label=name, alpha=0.8)
+        axis.set(xlabel="context length (tokens)", ylabel=label)
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize="x-small", ncol=2)
+    figure.tight_layout()
+    return figure
+
+
+def _speed(plt, frame: pd.DataFrame, style: str):
+    budgets = sorted(frame["budget"].unique(), key=_budget_key)
+    figure, axes = _panels(plt, 2, style)
+    for axis, column, label in ((axes[0], "decode_tok_s", "decode tokens/s"), (axes[1], "ttft_s", "time to first "
+                                                                                                  "token (s)")):
+        for (name, length), series in frame.groupby([frame.apply(_series_label, axis=1), "context_length"],
+                                                    sort=False):
+            positions = [budgets.index(b) for b in series["budget"]]
+            order = np.argsort(positions)
+            axis.plot(np.array(positions)[order], series[column].to_numpy()[order], marker="o",
+                      color=policy_colour(series["policy"].iloc[0]), label=f"{name} L={length}", alpha=0.8)
+        axis.set_xticks(range(len(budgets)), budgets)
+        axis.set(xlabel="budget (tokens, or ratio of the prompt)", ylabel=label)
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize="x-small", ncol=2)
+    figure.tight_layout()
+    return figure
+
+
+def pareto_front(points: pd.DataFrame, x: str, y: str) -> pd.DataFrame:
+    """Rows not beaten by another row with less (or equal) `x` and more (or equal) `y`."""
+    ordered = points.dropna(subset=[x, y]).sort_values([x, y], ascending=[True, False])
+    best, keep = -np.inf, []
+    for index, row in ordered.iterrows():
+        if row[y] > best:
+            keep.append(index)
+            best = row[y]
+    return ordered.loc[keep]
+
+
+def _pareto(plt, frame: pd.DataFrame, style: str):
+    groups = list(frame.groupby(["task", "context_length"], sort=False))
+    figure, axes = _panels(plt, len(groups), style)
+    for axis, ((task, length), rows) in zip(axes, groups, strict=True):
+        rows = rows.assign(kv_mib=rows["kv_bytes_live"] / 2**20)
+        for _, row in rows.dropna(subset=["score"]).iterrows():
+            axis.scatter(row["kv_mib"], row["score"], color=policy_colour(row["policy"]), s=14)
+        front = pareto_front(rows, "kv_mib", "score")
+        axis.step(front["kv_mib"], front["score"], where="post", color="#555555", linewidth=0.8, label="Pareto front")
+        for _, row in front.iterrows():
+            axis.annotate(f"{row['policy']} {row['budget']}", (row["kv_mib"], row["score"]), fontsize="xx-small",
+                          xytext=(2, 2), textcoords="offset points")
+        _failed_note(axis, rows)
+        axis.set(title=f"{task}, {length} tokens", xlabel="KV cache held (MiB)", ylabel="score", ylim=(-0.05, 1.05))
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize="x-small")
+    figure.tight_layout()
+    return figure
