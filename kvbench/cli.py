@@ -346,18 +346,89 @@ def validate(
     stdout.print(f"{config}: ok, {len(expand(cfg))} cells", highlight=False)
 
 
-@app.command()
-@user_errors
-def summarize(run: str = typer.Argument(..., help="Run folder.")) -> None:
-    """(Re)write summary.csv and summary.md of a run folder from its records."""
+def _run_folder(run: str):
     from pathlib import Path
-
-    from kvbench.summary import summarize as write_summary
 
     if not (Path(run) / "manifest.json").exists():
         raise KvbenchError(f"not a run folder (no manifest.json): {run}")
-    frame = write_summary(run)
-    stdout.print(f"{run}: {len(frame)} cells summarized into summary.csv and summary.md", highlight=False)
+    return Path(run)
+
+
+@app.command()
+@user_errors
+def summarize(
+    run: str = typer.Argument(..., help="Run folder."),
+    latex: bool = typer.Option(False, "--latex", help="Also write summary.tex (booktabs, best per column in bold)."),
+) -> None:
+    """(Re)write summary.csv and summary.md of a run folder from its records."""
+    from kvbench.report import latex as latex_tables
+    from kvbench.summary import summarize as write_summary
+
+    folder = _run_folder(run)
+    frame = write_summary(folder)
+    if latex:
+        (folder / "summary.tex").write_text(latex_tables(frame))
+    stdout.print(f"{run}: {len(frame)} cells summarized into summary.csv, summary.md"
+                 f"{', summary.tex' if latex else ''}", highlight=False)
+
+
+@app.command()
+@user_errors
+def plot(
+    run: str = typer.Argument(..., help="Run folder."),
+    out: str | None = typer.Option(None, "--out", help="Folder for the figures (default RUN/figures)."),
+    fmt: str = typer.Option("png", "--format", help="png, pdf or svg."),
+    style: str = typer.Option("default", "--style", help="default, or paper: two-column sizes, fonts that embed."),
+    log_x: bool = typer.Option(False, "--log-x", help="Logarithmic cache-ratio / bytes axis."),
+) -> None:
+    """Draw score vs cache ratio and bytes, needle heatmaps, memory, speed and the Pareto front."""
+    from kvbench.plot import plot_run
+
+    paths = plot_run(_run_folder(run), out, fmt, style, log_x)
+    stdout.print(f"{len(paths)} figures in {paths[0].parent}: " + ", ".join(p.name for p in paths), highlight=False)
+
+
+@app.command()
+@user_errors
+def report(
+    run: str = typer.Argument(..., help="Run folder."),
+    max_drop: float = typer.Option(2.0, "--max-drop", min=0, help="Allowed drop (points) for the recommendation."),
+) -> None:
+    """Write RUN/report.html: one offline file with the run, tables, figures and a failure gallery."""
+    from kvbench.report import html_report
+
+    path = html_report(_run_folder(run), max_drop)
+    stdout.print(f"report: {path}", highlight=False)
+
+
+@app.command()
+@user_errors
+def recommend(
+    run: str = typer.Argument(..., help="Run folder."),
+    max_drop: float = typer.Option(2.0, "--max-drop", min=0, help="Allowed score drop vs full, in points; the "
+                                   "low end of the paired 95% CI must stay within it."),
+) -> None:
+    """The smallest cache that stays within the allowed drop of full, per task and context length."""
+    import pandas as pd
+
+    from kvbench.report import recommend as pick
+    from kvbench.summary import summarize as read_summary
+
+    choices = pick(read_summary(_run_folder(run), write=False), max_drop)
+    table = Table(title=f"smallest cache within {max_drop:g} points of full (95% CI low end)")
+    for column in ("task", "context", "question", "policy", "budget", "cache ratio", "score (full)", "kv saved",
+                   "decode speed vs full", "note"):
+        table.add_column(column)
+    for _, r in choices.iterrows():
+        found = r["policy"] is not None and not pd.isna(r["policy"])
+        policy = (f"{r['policy']} ({r['params']})" if r.get("params") else r["policy"]) if found else "-"
+        table.add_row(
+            r["task"], str(r["context_length"]), r["question"], policy, r.get("budget", "") if found else "",
+            f"{r['cache_ratio']:.3f}" if found else "", f"{r['score']:.2f} ({r['full_score']:.2f})" if found else "",
+            human_bytes(r["kv_saved_bytes"]) if found else "",
+            f"{r['decode_speed_vs_full']:.2f}x" if found and not pd.isna(r["decode_speed_vs_full"]) else "",
+            r["note"])
+    stdout.print(table)
 
 
 @app.command()

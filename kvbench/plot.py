@@ -69,8 +69,8 @@ def figures(run: str | Path, style: str = "default", log_x: bool = False) -> dic
     out: dict[str, Any] = {}
     with plt.rc_context(STYLES[style]):
         for task, rows in frame.groupby("task", sort=False):
-            out[f"score_vs_ratio_{task}"] = _score_curves(plt, rows, "cache_ratio", "cache ratio (kept / full KV bytes)",
-                                                          style, log_x)
+            out[f"score_vs_ratio_{task}"] = _score_curves(
+                plt, rows, "cache_ratio", "cache ratio (kept / full KV bytes)", style, log_x)
             out[f"score_vs_bytes_{task}"] = _score_curves(plt, rows, "kv_bytes_live", "KV cache held (MiB)", style,
                                                           log_x, scale=2**-20)
             depth_records = [r for r in records if r["cell"]["task"]["name"] == task and "depth" in r.get("meta", {})]
@@ -91,11 +91,12 @@ def plot_run(run: str | Path, out: str | Path | None = None, fmt: str = "png", s
     target = Path(out) if out else Path(run) / "figures"
     target.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, figure in figures(run, style, log_x).items():
-        path = target / f"{name}.{fmt}"
-        figure.savefig(path, bbox_inches="tight")
-        plt.close(figure)
-        written.append(path)
+    with plt.rc_context(STYLES.get(style, {})):  # font embedding is read when saving, not when drawing
+        for name, figure in figures(run, style, log_x).items():
+            path = target / f"{name}.{fmt}"
+            figure.savefig(path, bbox_inches="tight")
+            plt.close(figure)
+            written.append(path)
     return written
 
 
