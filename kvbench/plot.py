@@ -76,6 +76,9 @@ def figures(run: str | Path, style: str = "default", log_x: bool = False) -> dic
             depth_records = [r for r in records if r["cell"]["task"]["name"] == task and "depth" in r.get("meta", {})]
             if depth_records:
                 out[f"needle_heatmaps_{task}"] = _needle_heatmaps(plt, depth_records, style)
+            nll_records = [r for r in records if r["cell"]["task"]["name"] == task and r.get("nll_by_position")]
+            if nll_records:
+                out[f"nll_vs_position_{task}"] = _nll_curves(plt, nll_records, style)
         out["memory_vs_context"] = _memory(plt, frame, style)
         out["speed_vs_budget"] = _speed(plt, frame, style)
         out["pareto"] = _pareto(plt, frame, style)
@@ -185,6 +188,35 @@ def _needle_heatmaps(plt, records: list[dict[str, Any]], style: str):
                 axis.set_xlabel("context length", fontsize="small")
     if image is not None:
         figure.colorbar(image, ax=axes.ravel().tolist(), shrink=0.6, label="score")
+    return figure
+
+
+def smooth(values: np.ndarray, window: int) -> np.ndarray:
+    """Moving average over `window` positions (shorter at the ends)."""
+    kernel = np.ones(window)
+    return np.convolve(values, kernel, mode="same") / np.convolve(np.ones_like(values), kernel, mode="same")
+
+
+def _nll_curves(plt, records: list[dict[str, Any]], style: str):
+    """Per-token negative log-likelihood vs position (a perplexity task's `nll_by_position`), mean over
+    samples and smoothed, one line per policy and budget, one panel per context length."""
+    lengths = sorted({r["cell"]["context_length"] for r in records})
+    figure, axes = _panels(plt, len(lengths), style)
+    for axis, length in zip(axes, lengths, strict=True):
+        series: dict[tuple[str, str], list[list[float]]] = {}
+        for r in records:
+            if r["cell"]["context_length"] == length:
+                budget = "" if r["cell"]["budget"] is None else f" b={r['cell']['budget']}"
+                series.setdefault((r["cell"]["policy"]["name"], budget), []).append(r["nll_by_position"])
+        for (policy, budget), curves in sorted(series.items(), key=lambda item: (item[0][0] != "full", item[0])):
+            width = min(len(c) for c in curves)
+            mean = np.mean([c[:width] for c in curves], axis=0)
+            axis.plot(np.arange(width), smooth(mean, max(1, width // 50)), color=policy_colour(policy),
+                      label=f"{policy}{budget}", linestyle="--" if policy == "full" else "-")
+        axis.set(title=f"{length} tokens", xlabel="position (tokens)", ylabel="NLL (nats, smoothed)")
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize="x-small")
+    figure.tight_layout()
     return figure
 
 

@@ -92,8 +92,8 @@ def _row(cell_id: str, records: list[dict[str, Any]], status: dict[str, Any] | N
     for measure in MEASURES:
         present = [r[measure] for r in records if r.get(measure) is not None]
         row[measure] = float(np.mean(present)) if present else float("nan")
-    row["budget_tokens"] = float(np.mean([r["budget_tokens"] for r in records])) if budget is not None and records \
-        else float("nan")
+    tokens = [r["budget_tokens"] for r in records if r.get("budget_tokens") is not None]
+    row["budget_tokens"] = float(np.mean(tokens)) if tokens else float("nan")
     if status and status.get("message"):
         row["message"] = status["message"]
     return row

@@ -136,3 +136,21 @@ def test_plot_bad_input(run, tmp_path):
     assert "unknown format" in runner.invoke(app, ["plot", str(run), "--format", "gif"]).output
     assert runner.invoke(app, ["plot", str(tmp_path / "nothing")]).exit_code == 2
     assert runner.invoke(app, ["plot", str(run), "--style", "comic"]).exit_code == 2
+
+
+def test_nll_vs_position_curves_from_per_position_nll(tmp_path):
+    folder = RunFolder(tmp_path / "ppl")
+    folder.open({"name": "ppl", "config_hash": "h", "started": "t", "cells": ["full", "win"]}, force=False)
+    for cell_id, name, budget, level in (("full", "full", None, 2.0), ("win", "window", 64, 3.0)):
+        cell = {**BASE, "task": {"name": "perplexity", "params": {}}, "policy": {"name": name, "params": {}},
+                "budget": budget, "context_length": 400}
+        for index in range(2):
+            folder.add_record({"cell_id": cell_id, "cell": cell, "sample_id": f"s{index}", "scores": {"score": 0.0},
+                               "nll_by_position": [level + index] * 400, "cache_ratio": 0.5, "kv_bytes_live": 1.0,
+                               "kv_bytes_peak": 1.0})
+        folder.add_cell({"cell_id": cell_id, "cell": cell, "status": "ok"})
+    axis = figures(folder.path)["nll_vs_position_perplexity"].axes[0]
+    lines = {line.get_label(): line for line in axis.lines}
+    np.testing.assert_allclose(lines["full"].get_ydata(), 2.5)  # mean of the two samples, smoothing keeps it flat
+    np.testing.assert_allclose(lines["window b=64"].get_ydata(), 3.5)
+    assert len(lines["full"].get_xdata()) == 400
