@@ -80,14 +80,13 @@ class LayerKV(CacheLayerMixin):
     def get_seq_length(self) -> int:
         return self.length
 
-    def copy_from(self, other: LayerKV, stat: str) -> None:
-        """Hold a copy of `other`'s entries and of its per-slot statistic `stat`, if it has one."""
+    def copy_from(self, other: LayerKV, stats: list[str]) -> None:
+        """Hold a copy of `other`'s entries and of those of its per-slot statistics named in `stats`."""
         self.lazy_initialization(other.keys, other.values)
         self._reallocate(self.owner.capacity_for(other.length))
         self.length, self.seen, self.max_held = other.length, other.seen, other.max_held
         pairs = [(self.keys, other.keys), (self.values, other.values), (self.positions, other.positions)]
-        if stat in other.slot_stats:
-            pairs.append((self.slot_stat(stat), other.slot_stats[stat]))
+        pairs += [(self.slot_stat(name), other.slot_stats[name]) for name in stats if name in other.slot_stats]
         for mine, theirs in pairs:
             mine[:, :, : self.length] = theirs[:, :, : self.length]
 
@@ -212,7 +211,8 @@ class KVCache(Cache):
 
     def capacity_for(self, live: int) -> int:
         """Slots a layer's buffer gets when it must hold `live` entries."""
-        if self.budget is not None and (self.phase == "prefill" or self.policy.evicts_during_decode):
+        bounded = self.phase == "prefill" or self.policy.evicts_during_decode
+        if self.budget is not None and bounded and self.policy.active(self):
             return max(live, self.budget + self.headroom)
         return live + self.growth
 
@@ -239,11 +239,11 @@ class KVCache(Cache):
         """Start from a copy of a shared prefill's cache (with this policy's statistics), as if this cache
         had run the prompt itself: same buffers, same layout, so compressing it gives identical results."""
         for mine, theirs in zip(self.layers, shared.layers, strict=True):
-            mine.copy_from(theirs, stat=self.policy.state_key)
+            mine.copy_from(theirs, stats=self.policy.state_keys())
 
     def compress(self) -> None:
         """Evict down to the budget: always after a prefill chunk, every `evict_every` tokens in decode."""
-        if self.budget is None:
+        if self.budget is None or not self.policy.active(self):
             return
         slack = 1 if self.phase == "prefill" else self.evict_every
         for layer in self.layers:
@@ -254,6 +254,11 @@ class KVCache(Cache):
             evicted = scores.topk(excess, dim=-1, largest=False, sorted=False).indices
             layer.evict(evicted)
             self.evictions += evicted.numel()
+
+    def live_bytes(self) -> int:
+        batch, heads, head_dim = self.batch_heads_dim
+        return sum(2 * batch * heads * head_dim * layer.length * layer.keys.element_size()
+                   for layer in self.layers if layer.keys is not None)
 
     def stats(self) -> CacheStats:
         batch, heads, head_dim = self.batch_heads_dim

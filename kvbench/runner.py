@@ -186,6 +186,7 @@ def generate(lm: LoadedModel, policy: Policy, context_ids: list[int], question_i
         "mem_baseline": memory.baseline_bytes,
         "mem_peak_device": None,  # NVML sampling: see the memory-pressure work
         "prefill_shared": shared is not None,
+        **policy.report(),
     }
     return Generation(_cut(lm.tokenizer.decode(tokens, skip_special_tokens=True), stop), tokens, logits, measurements)
 

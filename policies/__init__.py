@@ -1,6 +1,17 @@
 """Built-in KV-cache policies, one file each; importing this package registers them all."""
 
-from kvbench.policies import full, h2o, random, snapkv, streaming_llm, window  # noqa: F401
+from kvbench.policies import (  # noqa: F401
+    adaptive,
+    compose,
+    full,
+    h2o,
+    knorm,
+    random,
+    snapkv,
+    streaming_llm,
+    tova,
+    window,
+)
 from kvbench.policies.base import POLICIES, Policy, build_policy, register
 
 __all__ = ["POLICIES", "Policy", "build_policy", "register"]

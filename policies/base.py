@@ -16,7 +16,7 @@ from kvbench.errors import KvbenchError
 from kvbench.registry import Registry, declared_params
 
 if TYPE_CHECKING:
-    from kvbench.cache import LayerKV
+    from kvbench.cache import KVCache, LayerKV
 
 PHASES = ("prefill", "decode")
 
@@ -37,6 +37,14 @@ class Policy:
     def score(self, layer: LayerKV, budget: int) -> torch.Tensor:
         """`[batch, kv_heads, length]` scores of the live slots; the top `budget` per head are kept."""
         raise NotImplementedError
+
+    def active(self, cache: KVCache) -> bool:
+        """Whether the cache should evict now (a policy may wait, e.g. until a memory limit is reached)."""
+        return True
+
+    def report(self) -> dict[str, Any]:
+        """Events a record should carry (e.g. when an adaptive policy switched)."""
+        return {}
 
     def check_budget(self, budget: int) -> None:
         """Raise KvbenchError when this policy cannot work within `budget` tokens."""
@@ -60,6 +68,10 @@ class Policy:
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, **{key: getattr(self, key) for key in self.params()}}
 
+    def state_keys(self) -> list[str]:
+        """Every per-slot statistic this policy reads (a wrapper's stages have their own)."""
+        return [self.state_key]
+
     @property
     def state_key(self) -> str:
         """Names this instance's per-slot statistics, so several policies can observe one shared prefill."""
@@ -69,6 +81,16 @@ class Policy:
 POLICIES: Registry[Policy] = Registry("policy")
 register = POLICIES.register
 build_policy = POLICIES.build
+
+
+def build_spec(spec: str | dict[str, Any]) -> Policy:
+    """A policy from a name or a `{name: ..., param: value}` mapping (as wrappers take their stages)."""
+    if isinstance(spec, str):
+        return POLICIES.build(spec)
+    spec = dict(spec)
+    if "name" not in spec:
+        raise KvbenchError(f"a policy mapping needs a 'name': {spec}")
+    return POLICIES.build(spec.pop("name"), spec)
 
 
 def recent_mask(layer: LayerKV, count: int) -> torch.Tensor:

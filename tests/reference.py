@@ -70,9 +70,11 @@ def top_set(scores: torch.Tensor, candidates: torch.Tensor, count: int) -> torch
 
 
 @torch.no_grad()
-def h2o_reference(lm, prompt: list[int], decode: list[int], budget: int, recent: int) -> list[list[torch.Tensor]]:
+def h2o_reference(lm, prompt: list[int], decode: list[int], budget: int, recent: int,
+                  prefill_kept: list[torch.Tensor] | None = None) -> list[list[torch.Tensor]]:
     """Kept position masks per step (after prefill, after each decode token), per layer `[kv_heads, seen]`:
-    H2O keeps the `recent` newest plus the top `budget - recent` by attention accumulated over all queries."""
+    H2O keeps the `recent` newest plus the top `budget - recent` by attention accumulated over all queries.
+    `prefill_kept` replaces H2O's own choice after the prompt (another policy compressed it)."""
     kv_heads = lm.kv_heads
     total = len(prompt) + len(decode)
     scores = {layer: torch.zeros(kv_heads, total) for layer in range(lm.num_layers)}
@@ -87,10 +89,14 @@ def h2o_reference(lm, prompt: list[int], decode: list[int], budget: int, recent:
             for layer in range(lm.num_layers):
                 scores[layer][:, :seen] += received(attention.weights[layer], kv_heads)
                 alive = torch.cat([kept[layer], torch.ones(kv_heads, len(ids), dtype=torch.bool)], dim=1)
-                if int(alive[0].sum()) > budget:
+                if prefill_kept is not None and seen == len(prompt):
+                    alive = prefill_kept[layer].clone()
+                elif int(alive[0].sum()) > budget:
                     is_recent = torch.arange(seen) >= seen - recent
+                    protected = alive & is_recent  # recent entries still held (another policy may have dropped some)
                     alive = torch.stack([
-                        top_set(scores[layer][h, :seen], alive[h] & ~is_recent, budget - recent) | is_recent
+                        top_set(scores[layer][h, :seen], alive[h] & ~is_recent, budget - int(protected[h].sum()))
+                        | protected[h]
                         for h in range(kv_heads)
                     ])
                 kept[layer] = alive
@@ -114,3 +120,39 @@ def snapkv_reference(lm, prompt: list[int], window: int, kernel: int, pooling: s
         pool = F.max_pool1d if pooling == "max" else F.avg_pool1d
         scores.append(pool(votes[:, None], kernel, stride=1, padding=kernel // 2)[:, 0])
     return scores
+
+
+@torch.no_grad()
+def tova_reference(lm, prompt: list[int], decode: list[int], budget: int, per_head: bool) -> list[list[torch.Tensor]]:
+    """TOVA: after each step, while over budget, drop the entry the newest query attends to least,
+    averaged over all the layer's heads (or over each KV head's query heads with `per_head`)."""
+    kv_heads = lm.kv_heads
+    kept = {layer: torch.ones(kv_heads, 0, dtype=torch.bool) for layer in range(lm.num_layers)}
+    cache, history, seen = DynamicCache(), [], 0
+    with reference_attention(lm) as attention:
+        for ids in [prompt] + [[token] for token in decode]:
+            attention.allowed = kept
+            stock_forward(lm, cache, ids, seen)
+            seen += len(ids)
+            step = []
+            for layer in range(lm.num_layers):
+                last = attention.weights[layer][0, :, -1]  # [H, seen]: the newest query's attention
+                scores = last.view(kv_heads, -1, seen).mean(dim=1)
+                if not per_head:
+                    scores = scores.mean(dim=0, keepdim=True).expand(kv_heads, seen)
+                alive = torch.cat([kept[layer], torch.ones(kv_heads, len(ids), dtype=torch.bool)], dim=1)
+                count = int(alive[0].sum())
+                if count > budget:
+                    alive = torch.stack([top_set(scores[h], alive[h], budget) for h in range(kv_heads)])
+                kept[layer] = alive
+                step.append(alive.clone())
+            history.append(step)
+    return history
+
+
+@torch.no_grad()
+def key_norms(lm, prompt: list[int]) -> list[torch.Tensor]:
+    """Per layer, the L2 norm of every prompt key, `[kv_heads, n]`, from a stock cache."""
+    cache = DynamicCache()
+    stock_forward(lm, cache, prompt, 0)
+    return [cache.layers[layer].keys[0].norm(dim=-1) for layer in range(lm.num_layers)]

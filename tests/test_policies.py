@@ -10,7 +10,7 @@ from kvbench.errors import KvbenchError
 from kvbench.policies import build_policy
 from tests.conftest import random_ids
 from tests.helpers import run_cache
-from tests.reference import h2o_reference, snapkv_reference
+from tests.reference import h2o_reference, key_norms, snapkv_reference, tova_reference
 
 PROMPT, DECODE, BUDGET = random_ids(96, seed=11), random_ids(10, seed=12), 40
 
@@ -96,3 +96,64 @@ def test_random_keeps_budget_entries_and_is_seeded(sharp_llama):
 def test_bad_policy_parameters_are_named(name, params, budget, message):
     with pytest.raises(KvbenchError, match=message):
         build_policy(name, params).check_budget(budget)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_tova_matches_last_query_attention_reference(sharp_llama, per_head):
+    _, history = run_cache(sharp_llama, build_policy("tova", {"per_head": per_head}), PROMPT, DECODE, BUDGET)
+    reference = tova_reference(sharp_llama, PROMPT, DECODE, BUDGET, per_head=per_head)
+    for step, (ours, theirs) in enumerate(zip(history, reference, strict=True)):
+        for layer, (mask, expected) in enumerate(zip(ours, theirs, strict=True)):
+            assert torch.equal(mask, expected), f"step {step} layer {layer}"
+    last = history[-1][0]
+    assert torch.equal(last[0], last[1]) != per_head  # one choice per layer, or per KV head
+
+
+@pytest.mark.parametrize("decode_too", [False, True])
+def test_knorm_keeps_the_lowest_key_norms(sharp_llama, decode_too):
+    policy = build_policy("knorm", {"decode": decode_too})
+    _, history = run_cache(sharp_llama, policy, PROMPT, DECODE, BUDGET)
+    for layer, (mask, norms) in enumerate(zip(history[0], key_norms(sharp_llama, PROMPT), strict=True)):
+        for head in range(sharp_llama.kv_heads):
+            kept = norms[head][mask[head]].sort().values
+            lowest = norms[head].topk(BUDGET, largest=False).values.sort().values
+            torch.testing.assert_close(kept, lowest, msg=f"layer {layer} head {head}")
+    held = [int(m.sum(-1).max()) for m in history[-1]]
+    assert held == [BUDGET if decode_too else BUDGET + len(DECODE)] * sharp_llama.num_layers
+
+
+def test_hybrid_is_snapkv_for_the_prompt_then_h2o(sharp_llama):
+    snap = {"name": "snapkv", "window": 8, "kernel": 5}
+    _, history = run_cache(sharp_llama, build_policy("compose", {"prefill": snap, "decode": "h2o"}), PROMPT, DECODE,
+                           BUDGET)
+    _, snapkv_only = run_cache(sharp_llama, build_policy("snapkv", {"window": 8, "kernel": 5}), PROMPT, [], BUDGET)
+    assert all(torch.equal(a, b) for a, b in zip(history[0], snapkv_only[0], strict=True))
+    reference = h2o_reference(sharp_llama, PROMPT, DECODE, BUDGET, recent=BUDGET // 2, prefill_kept=history[0])
+    for step, (ours, theirs) in enumerate(zip(history, reference, strict=True)):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), f"step {step}"
+    assert build_policy("hybrid").describe() == {"name": "hybrid", "prefill": "snapkv", "decode": "h2o"}
+
+
+def test_adaptive_switches_at_the_limit_and_not_before(tiny_llama):
+    from kvbench.runner import RunSettings, generate
+
+    slot = 2 * tiny_llama.kv_heads * tiny_llama.head_dim * 4 * tiny_llama.num_layers  # bytes per token
+    prompt = PROMPT[:60]
+    policy = build_policy("adaptive", {"limit_bytes": 70 * slot, "fallback": "window"})
+    result = generate(tiny_llama, policy, prompt, [], RunSettings(budget=32), max_new_tokens=20, eos_token_ids=set())
+    m = result.measurements
+    assert m["switched_at_token"] == 70 and m["limit_bytes"] == 70 * slot
+    assert m["kept_max_ever"] == 70  # the full cache until the limit
+    assert m["kept_max"] == 32  # then the fallback at the budget
+    never = build_policy("adaptive", {"limit_bytes": 1000 * slot})
+    result = generate(tiny_llama, never, prompt, [], RunSettings(budget=32), max_new_tokens=20, eos_token_ids=set())
+    assert result.measurements["switched_at_token"] is None and result.measurements["evictions"] == 0
+
+
+def test_wrapper_parameters_are_checked():
+    with pytest.raises(KvbenchError, match="does not evict while decoding"):
+        build_policy("compose", {"prefill": "snapkv", "decode": "snapkv"})
+    with pytest.raises(KvbenchError, match="unknown policy 'h3o'"):
+        build_policy("adaptive", {"fallback": "h3o"})
+    with pytest.raises(KvbenchError, match="limit_fraction"):
+        build_policy("adaptive", {"limit_fraction": 2.0})

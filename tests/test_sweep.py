@@ -92,8 +92,11 @@ def test_sweep_writes_the_run_folder_and_a_rerun_runs_nothing(tmp_path):
     assert time.perf_counter() - started < 5
 
 
-def test_shared_prefill_gives_the_records_of_cells_run_alone(tmp_path):
-    config = write_config(tmp_path, {**TINY, "question": ["aware", "agnostic"]})
+@pytest.mark.parametrize("policies", [TINY["policies"], ["full", "tova", {"name": "knorm", "decode": True},
+                                                        {"name": "hybrid", "prefill": {"name": "snapkv", "window": 8}},
+                                                        {"name": "adaptive", "limit_bytes": 40000, "fallback": "h2o"}]])
+def test_shared_prefill_gives_the_records_of_cells_run_alone(tmp_path, policies):
+    config = write_config(tmp_path, {**TINY, "policies": policies, "question": ["aware", "agnostic"]})
     sweep(config, tmp_path / "shared")
     sweep(config, tmp_path / "alone", "--no-share")
     shared, alone = records_by_key(tmp_path / "shared"), records_by_key(tmp_path / "alone")

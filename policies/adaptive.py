@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+import torch
+
+from kvbench.errors import KvbenchError
+from kvbench.policies.base import Policy, build_spec, register
+
+
+@register
+@dataclass
+class Adaptive(Policy):
+    """Full cache while it fits a memory limit, then a fallback policy at the budget; the record says when."""
+
+    name = "adaptive"
+    needs_attention = True
+    limit_bytes: int | None = None  # KV bytes (all layers) that trigger the switch
+    limit_fraction: float = 0.5  # without limit_bytes: this share of the device's (or RAM's) free memory
+    fallback: str | dict[str, Any] = "streaming_llm"
+    _policy: Policy = field(default=None, init=False, repr=False, compare=False)
+    _limit: int | None = field(default=None, init=False, repr=False, compare=False)
+    _switched_at: int | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.limit_bytes is not None and self.limit_bytes <= 0:
+            raise KvbenchError(f"policy 'adaptive' parameter 'limit_bytes' must be positive, got {self.limit_bytes}")
+        if not 0 < self.limit_fraction <= 1:
+            raise KvbenchError(
+                f"policy 'adaptive' parameter 'limit_fraction' must be in (0, 1], got {self.limit_fraction}")
+        self._policy = build_spec(self.fallback)
+        if not self._policy.evicts_during_decode:
+            raise KvbenchError(f"policy 'adaptive': fallback '{self._policy.name}' does not evict while decoding")
+
+    def active(self, cache) -> bool:
+        if self._switched_at is not None:
+            return True
+        if self._limit is None:
+            self._limit = self.limit_bytes if self.limit_bytes is not None else int(self.limit_fraction * _free_bytes())
+        if cache.live_bytes() >= self._limit:
+            self._switched_at = cache.layers[0].seen
+            return True
+        return False
+
+    def observe(self, layer, query, key, scaling, phase) -> None:
+        if self._policy.needs_attention:
+            self._policy.observe(layer, query, key, scaling, phase)
+
+    def score(self, layer, budget: int) -> torch.Tensor:
+        return self._policy.score(layer, budget)
+
+    def check_budget(self, budget: int) -> None:
+        self._policy.check_budget(budget)
+
+    def state_keys(self) -> list[str]:
+        return self._policy.state_keys()
+
+    def report(self) -> dict[str, Any]:
+        return {"switched_at_token": self._switched_at, "limit_bytes": self._limit}
+
+
+def _free_bytes() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[0]
+    return psutil.virtual_memory().available

@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.attention import attention_probs
+from kvbench.policies.base import Policy, register
+
+
+@register
+@dataclass
+class TOVA(Policy):
+    """TOVA (Oren et al. 2024): evict the entry the newest query attends to least, averaged over the layer's heads."""
+
+    name = "tova"
+    needs_attention = True
+    per_head: bool = False  # one choice per KV head (its query heads averaged) instead of one per layer
+
+    def observe(self, layer, query, key, scaling, phase) -> None:
+        (_, probs), = attention_probs(query[:, :, -1:], key, scaling)  # [B, kv, group, 1, n]
+        weights = probs[:, :, :, 0].mean(dim=2)
+        if not self.per_head:
+            weights = weights.mean(dim=1, keepdim=True).expand_as(weights)
+        layer.slot_stat(self.state_key).copy_(weights)
+
+    def score(self, layer, budget: int) -> torch.Tensor:
+        return layer.slot_stat(self.state_key)
