@@ -29,11 +29,21 @@ def kvbench_attention(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
+    if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
+        # layers of one cache hold different lengths (per-layer budgets) but transformers builds one mask, sized
+        # by layer 0: rebuild it for this layer (the new queries are the last slots; batch 1, no padding)
+        attention_mask = causal_mask(query.shape[-2], key.shape[-2], key.device)
     output = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     observer = kwargs.get("kv_observer")
     if observer is not None and observer.observing:
         observer.observe(module.layer_idx, query, key, scaling if scaling is not None else module.scaling)
     return output
+
+
+def causal_mask(queries: int, keys: int, device: torch.device) -> torch.Tensor:
+    """`[1, 1, q, n]` boolean: the q new queries are the last q of n slots and see every older slot."""
+    last_visible = torch.arange(queries, device=device) + (keys - queries)
+    return (torch.arange(keys, device=device)[None, :] <= last_visible[:, None])[None, None]
 
 
 def register() -> None:

@@ -67,7 +67,7 @@ class LayerKV(CacheLayerMixin):
         new = key_states.shape[-2]
         end = self.length + new
         if self.keys is None or end > self.capacity:
-            self._reallocate(self.owner.capacity_for(end))
+            self._reallocate(self.owner.capacity_for(end, self.layer_idx))
         self.keys[:, :, self.length : end] = key_states
         self.values[:, :, self.length : end] = value_states
         self.positions[:, :, self.length : end] = torch.arange(self.seen, self.seen + new, device=self.device)
@@ -83,7 +83,7 @@ class LayerKV(CacheLayerMixin):
     def copy_from(self, other: LayerKV, stats: list[str]) -> None:
         """Hold a copy of `other`'s entries and of those of its per-slot statistics named in `stats`."""
         self.lazy_initialization(other.keys, other.values)
-        self._reallocate(self.owner.capacity_for(other.length))
+        self._reallocate(self.owner.capacity_for(other.length, self.layer_idx))
         self.length, self.seen, self.max_held = other.length, other.seen, other.max_held
         pairs = [(self.keys, other.keys), (self.values, other.values), (self.positions, other.positions)]
         pairs += [(self.slot_stat(name), other.slot_stats[name]) for name in stats if name in other.slot_stats]
@@ -158,7 +158,7 @@ class LayerKV(CacheLayerMixin):
             live = buffer[:, :, : self.length]
             live.scatter_(2, _expand(holes, buffer), _take(live, sources))  # gather copies before writing
         self.length = keep
-        target = self.owner.capacity_for(keep)
+        target = self.owner.capacity_for(keep, self.layer_idx)
         if self.capacity >= 2 * target:  # give back the memory a long prompt needed
             self._reallocate(target)
 
@@ -194,6 +194,8 @@ class KVCache(Cache):
     ) -> None:
         self.policy = policy
         self.budget = budget
+        # per-layer budgets: equal, unless the policy spreads the total unevenly (PyramidKV)
+        self.layer_budgets = None if budget is None else policy.layer_budgets(budget, num_layers)
         self.evict_every = evict_every
         self.batch_heads_dim = batch_heads_dim
         self.headroom = headroom
@@ -209,11 +211,11 @@ class KVCache(Cache):
         self.peak_slots = 0
         super().__init__(layers=[LayerKV(self, i) for i in range(num_layers)])
 
-    def capacity_for(self, live: int) -> int:
+    def capacity_for(self, live: int, layer_idx: int) -> int:
         """Slots a layer's buffer gets when it must hold `live` entries."""
         bounded = self.phase == "prefill" or self.policy.evicts_during_decode
         if self.budget is not None and bounded and self.policy.active(self):
-            return max(live, self.budget + self.headroom)
+            return max(live, self.layer_budgets[layer_idx] + self.headroom)
         return live + self.growth
 
     def note_allocation(self, new_slots: int) -> None:
@@ -246,11 +248,11 @@ class KVCache(Cache):
         if self.budget is None or not self.policy.active(self):
             return
         slack = 1 if self.phase == "prefill" else self.evict_every
-        for layer in self.layers:
-            excess = layer.length - self.budget
+        for layer, budget in zip(self.layers, self.layer_budgets, strict=True):
+            excess = layer.length - budget
             if excess < slack:
                 continue
-            scores = self.policy.score(layer, self.budget)
+            scores = self.policy.score(layer, budget)
             evicted = scores.topk(excess, dim=-1, largest=False, sorted=False).indices
             layer.evict(evicted)
             self.evictions += evicted.numel()

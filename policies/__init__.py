@@ -6,6 +6,7 @@ from kvbench.policies import (  # noqa: F401
     full,
     h2o,
     knorm,
+    pyramidkv,
     random,
     snapkv,
     streaming_llm,

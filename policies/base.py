@@ -38,6 +38,10 @@ class Policy:
         """`[batch, kv_heads, length]` scores of the live slots; the top `budget` per head are kept."""
         raise NotImplementedError
 
+    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
+        """Entries per KV head for each layer; the total is `num_layers x budget`."""
+        return [budget] * num_layers
+
     def active(self, cache: KVCache) -> bool:
         """Whether the cache should evict now (a policy may wait, e.g. until a memory limit is reached)."""
         return True

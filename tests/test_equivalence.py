@@ -40,7 +40,8 @@ def test_full_is_bit_identical_to_generate(model, request):
     assert torch.equal(result.last_logits, logits)
 
 
-@pytest.mark.parametrize("name", sorted(set(POLICIES.names()) - {"full"}))
+# pyramidkv spreads layers x budget unevenly: its top layers evict even when the average budget fits
+@pytest.mark.parametrize("name", sorted(set(POLICIES.names()) - {"full", "pyramidkv"}))
 def test_policy_with_budget_above_sequence_is_bit_identical(tiny_llama, name):
     prompt = random_ids(200, seed=4)
     tokens, logits = stock_generate(tiny_llama, prompt)

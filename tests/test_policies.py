@@ -157,3 +157,37 @@ def test_wrapper_parameters_are_checked():
         build_policy("adaptive", {"fallback": "h3o"})
     with pytest.raises(KvbenchError, match="limit_fraction"):
         build_policy("adaptive", {"limit_fraction": 2.0})
+
+
+@pytest.mark.parametrize("budget,layers", [(40, 2), (64, 30), (1000, 32), (29, 5)])
+def test_pyramidkv_layer_budgets_fall_with_depth_and_sum_to_the_total(budget, layers):
+    policy = build_policy("pyramidkv", {"window": 8, "beta": 20})
+    budgets = policy.layer_budgets(budget, layers)
+    assert sum(budgets) == layers * budget
+    assert budgets == sorted(budgets, reverse=True) and budgets[0] > budgets[-1] > 8
+    with pytest.raises(KvbenchError, match="window \\+ beta"):
+        policy.check_budget(20)
+
+
+def test_pyramidkv_keeps_each_layers_snapkv_top_set(sharp_llama):
+    params = {"window": 8, "kernel": 5, "beta": 4}
+    policy = build_policy("pyramidkv", params)
+    budgets = policy.layer_budgets(BUDGET, sharp_llama.num_layers)
+    cache, history = run_cache(sharp_llama, policy, PROMPT, DECODE, BUDGET)
+    reference = snapkv_reference(sharp_llama, PROMPT, window=8, kernel=5, pooling="max")
+    for mask, scores, budget in zip(history[0], reference, budgets, strict=True):
+        assert int(mask.sum(-1).max()) == budget
+        for head in range(sharp_llama.kv_heads):
+            kept = scores[head][mask[head, : len(PROMPT) - 8]].sort().values
+            torch.testing.assert_close(kept, scores[head].topk(budget - 8).values.sort().values)
+    assert [layer.length for layer in cache.layers] == [b + len(DECODE) for b in budgets]
+
+
+@pytest.mark.parametrize("settings", [{"prefill": "chunked", "prefill_chunk": 32}, {"question": "agnostic"}])
+def test_uneven_layer_lengths_run_chunked_and_agnostic(tiny_llama, settings):
+    """Layers of different lengths need per-layer masks when several tokens arrive at once."""
+    from kvbench.runner import RunSettings, generate
+
+    result = generate(tiny_llama, build_policy("pyramidkv", {"window": 8, "beta": 4}), PROMPT[:80], PROMPT[80:],
+                      RunSettings(budget=BUDGET, **settings), max_new_tokens=4, eos_token_ids=set())
+    assert result.measurements["kept_max"] > result.measurements["kept_mean"]  # really uneven
