@@ -86,7 +86,11 @@ class LayerKV(CacheLayerMixin):
         self._reallocate(self.owner.capacity_for(other.length, self.layer_idx))
         self.length, self.seen, self.max_held = other.length, other.seen, other.max_held
         pairs = [(self.keys, other.keys), (self.values, other.values), (self.positions, other.positions)]
-        pairs += [(self.slot_stat(name), other.slot_stats[name]) for name in stats if name in other.slot_stats]
+        for name in stats:
+            if name in other.slot_stats:
+                theirs = other.slot_stats[name]
+                width = theirs.shape[3] if theirs.dim() == 4 else None
+                pairs.append((self.slot_stat(name, width, theirs.dtype), theirs))
         for mine, theirs in pairs:
             mine[:, :, : self.length] = theirs[:, :, : self.length]
 
@@ -110,10 +114,11 @@ class LayerKV(CacheLayerMixin):
     def live_positions(self) -> torch.Tensor:
         return self.positions[:, :, : self.length]
 
-    def slot_stat(self, name: str) -> torch.Tensor:
-        """A float32 per-slot statistic `[batch, kv_heads, length]` that follows its entry when slots move."""
+    def slot_stat(self, name: str, width: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A per-slot statistic `[batch, kv_heads, length(, width)]` that follows its entry when slots move."""
         if name not in self.slot_stats:
-            self.slot_stats[name] = torch.zeros(self.positions.shape, dtype=torch.float32, device=self.device)
+            shape = self.positions.shape + ((width,) if width else ())
+            self.slot_stats[name] = torch.zeros(shape, dtype=dtype, device=self.device)
         return self.slot_stats[name][:, :, : self.length]
 
     def _buffers(self) -> list[torch.Tensor]:
@@ -129,7 +134,8 @@ class LayerKV(CacheLayerMixin):
         self.values = torch.empty(kv_shape, dtype=self.dtype, device=self.device)
         self.positions = torch.zeros(kv_shape[:3], dtype=torch.long, device=self.device)
         self.slot_stats = {
-            name: torch.zeros(kv_shape[:3], dtype=torch.float32, device=self.device) for name in self.slot_stats
+            name: torch.zeros(kv_shape[:3] + stat.shape[3:], dtype=stat.dtype, device=self.device)
+            for name, stat in self.slot_stats.items()
         }
         if old is not None:
             for src, dst in zip(old, self._buffers(), strict=True):
@@ -203,7 +209,10 @@ class KVCache(Cache):
         # policies whose attention statistics this cache gathers: its own, or every policy of a shared prefill
         if observers is None:
             observers = [policy]
-        self.observers = list({p.state_key: p for p in observers if p.needs_attention}.values())
+        # one observer per statistic: two cells of a shared prefill that read the same one (h2o alone and
+        # inside hybrid) gather it once
+        leaves = [leaf for p in observers for leaf in p.observers()]
+        self.observers = list({leaf.state_key: leaf for leaf in leaves}.values())
         self.observing = bool(self.observers)
         self.observe_seconds: dict[str, float] = {}
         self.phase = "prefill"

@@ -103,7 +103,8 @@ class SharedPrefill:
     def seconds_for(self, policy: Policy) -> float:
         """The forward's time without the other policies' statistics: what `policy` alone would have spent."""
         spent = self.cache.observe_seconds
-        return self.seconds - sum(spent.values()) + spent.get(policy.state_key, 0.0)
+        own = sum(spent.get(leaf.state_key, 0.0) for leaf in {p.state_key: p for p in policy.observers()}.values())
+        return self.seconds - sum(spent.values()) + own
 
 
 @torch.inference_mode()

@@ -8,6 +8,7 @@ from kvbench.policies import (  # noqa: F401
     knorm,
     pyramidkv,
     random,
+    scissorhands,
     snapkv,
     streaming_llm,
     tova,

@@ -44,9 +44,8 @@ class Adaptive(Policy):
             return True
         return False
 
-    def observe(self, layer, query, key, scaling, phase) -> None:
-        if self._policy.needs_attention:
-            self._policy.observe(layer, query, key, scaling, phase)
+    def observers(self) -> list[Policy]:
+        return self._policy.observers()
 
     def score(self, layer, budget: int) -> torch.Tensor:
         return self._policy.score(layer, budget)

@@ -72,6 +72,10 @@ class Policy:
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, **{key: getattr(self, key) for key in self.params()}}
 
+    def observers(self) -> list[Policy]:
+        """The policies whose `observe` must run for this one: itself, or a wrapper's stages."""
+        return [self] if self.needs_attention else []
+
     def state_keys(self) -> list[str]:
         """Every per-slot statistic this policy reads (a wrapper's stages have their own)."""
         return [self.state_key]

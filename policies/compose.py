@@ -28,11 +28,9 @@ class Compose(Policy):
             raise KvbenchError(f"policy '{self.name}': decode policy '{then.name}' does not evict while decoding")
         self._stages = (first, then)
 
-    def observe(self, layer, query, key, scaling, phase) -> None:
+    def observers(self) -> list[Policy]:
         # both stages see every step: the decode stage's statistics (e.g. H2O's) include the prompt
-        for stage in self._stages:
-            if stage.needs_attention:
-                stage.observe(layer, query, key, scaling, phase)
+        return [leaf for stage in self._stages for leaf in stage.observers()]
 
     def score(self, layer, budget: int) -> torch.Tensor:
         stage = self._stages[0] if layer.owner.phase == "prefill" else self._stages[1]

@@ -156,3 +156,45 @@ def key_norms(lm, prompt: list[int]) -> list[torch.Tensor]:
     cache = DynamicCache()
     stock_forward(lm, cache, prompt, 0)
     return [cache.layers[layer].keys[0].norm(dim=-1) for layer in range(lm.num_layers)]
+
+
+@torch.no_grad()
+def scissorhands_reference(lm, prompt: list[int], decode: list[int], budget: int, history: int,
+                           recent: int) -> list[list[torch.Tensor]]:
+    """Scissorhands: each of the last `history` queries marks the entries it gives less than 1/(entries it
+    sees) of its attention; over budget, the entries marked most often go first (the oldest among equals),
+    never the `recent` newest."""
+    kv_heads, total = lm.kv_heads, len(prompt) + len(decode)
+    kept = {layer: torch.ones(kv_heads, 0, dtype=torch.bool) for layer in range(lm.num_layers)}
+    marks = {layer: {} for layer in range(lm.num_layers)}  # query position -> [kv_heads, total] verdicts
+    cache, history_out, seen = DynamicCache(), [], 0
+    with reference_attention(lm) as attention:
+        for ids in [prompt] + [[token] for token in decode]:
+            attention.allowed = kept
+            stock_forward(lm, cache, ids, seen)
+            seen += len(ids)
+            step = []
+            for layer in range(lm.num_layers):
+                weights = attention.weights[layer][0]  # [H, q, seen]
+                alive = torch.cat([kept[layer], torch.ones(kv_heads, len(ids), dtype=torch.bool)], dim=1)
+                for i in range(max(0, len(ids) - history), len(ids)):
+                    position = seen - len(ids) + i
+                    sees = alive.clone()
+                    sees[:, position + 1 :] = False
+                    probs = weights[:, i].view(kv_heads, -1, seen).mean(dim=1)
+                    verdict = torch.zeros(kv_heads, total, dtype=torch.bool)
+                    verdict[:, :seen] = (probs < 1.0 / sees.sum(-1, keepdim=True)) & sees
+                    marks[layer][position] = verdict
+                recent_queries = [marks[layer][p] for p in range(seen - history, seen) if p in marks[layer]]
+                counts = torch.stack(recent_queries).sum(0)[:, :seen]
+                excess = int(alive[0].sum()) - budget
+                if excess > 0:
+                    is_recent = torch.arange(seen) >= seen - recent
+                    for h in range(kv_heads):
+                        candidates = [p for p in range(seen) if alive[h, p] and not is_recent[p]]
+                        candidates.sort(key=lambda p, h=h: (-int(counts[h, p]), p))
+                        alive[h, candidates[:excess]] = False
+                kept[layer] = alive
+                step.append(alive.clone())
+            history_out.append(step)
+    return history_out

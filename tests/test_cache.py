@@ -50,7 +50,7 @@ def test_compressing_a_long_prompt_gives_memory_back():
     assert layer.length == 4 and layer.capacity == 4  # budget + reserve, not the prompt's 400
 
 
-@pytest.mark.parametrize("name", ["window", "streaming_llm", "h2o", "random", "tova", "hybrid"])
+@pytest.mark.parametrize("name", ["window", "streaming_llm", "h2o", "random", "tova", "hybrid", "scissorhands"])
 @pytest.mark.parametrize("evict_every", [1, 4])
 def test_decode_time_policies_never_hold_more_than_budget_plus_slack(sharp_llama, name, evict_every):
     budget, prompt, decode = 32, random_ids(80, seed=21), random_ids(20, seed=22)

@@ -10,7 +10,13 @@ from kvbench.errors import KvbenchError
 from kvbench.policies import build_policy
 from tests.conftest import random_ids
 from tests.helpers import run_cache
-from tests.reference import h2o_reference, key_norms, snapkv_reference, tova_reference
+from tests.reference import (
+    h2o_reference,
+    key_norms,
+    scissorhands_reference,
+    snapkv_reference,
+    tova_reference,
+)
 
 PROMPT, DECODE, BUDGET = random_ids(96, seed=11), random_ids(10, seed=12), 40
 
@@ -191,3 +197,13 @@ def test_uneven_layer_lengths_run_chunked_and_agnostic(tiny_llama, settings):
     result = generate(tiny_llama, build_policy("pyramidkv", {"window": 8, "beta": 4}), PROMPT[:80], PROMPT[80:],
                       RunSettings(budget=BUDGET, **settings), max_new_tokens=4, eos_token_ids=set())
     assert result.measurements["kept_max"] > result.measurements["kept_mean"]  # really uneven
+
+
+@pytest.mark.parametrize("history,recent", [(8, 4), (32, 10)])
+def test_scissorhands_matches_persistence_of_importance_reference(sharp_llama, history, recent):
+    policy = build_policy("scissorhands", {"history": history, "recent": recent})
+    _, ours = run_cache(sharp_llama, policy, PROMPT, DECODE, BUDGET)
+    reference = scissorhands_reference(sharp_llama, PROMPT, DECODE, BUDGET, history=history, recent=recent)
+    for step, (mine, theirs) in enumerate(zip(ours, reference, strict=True)):
+        for layer, (mask, expected) in enumerate(zip(mine, theirs, strict=True)):
+            assert torch.equal(mask, expected), f"step {step} layer {layer}"

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.attention import attention_probs
+from kvbench.errors import KvbenchError
+from kvbench.policies.base import Policy, positive, protect, recent_mask, register
+
+
+@register
+@dataclass
+class Scissorhands(Policy):
+    """Scissorhands (Liu et al. 2023): evict the entries most often unimportant over the last `history` queries."""
+
+    name = "scissorhands"
+    needs_attention = True
+    history: int = 32  # queries whose verdicts count
+    recent: int = 16  # the newest entries are never evicted
+
+    def __post_init__(self) -> None:
+        positive("scissorhands", history=self.history)
+        if self.recent < 0:
+            raise KvbenchError(f"policy 'scissorhands' parameter 'recent' must be >= 0, got {self.recent}")
+
+    def check_budget(self, budget: int) -> None:
+        if budget <= self.recent:
+            raise KvbenchError(f"scissorhands: budget {budget} must exceed recent={self.recent}")
+
+    def observe(self, layer, query, key, scaling, phase) -> None:
+        # an entry is "unimportant" to a query when it gets less than 1/(entries the query sees) of its
+        # attention; each query's verdicts go to column (its position mod history) of a per-slot ring,
+        # so the ring always holds the verdicts of the last `history` queries
+        count = min(self.history, query.shape[2])
+        ring = layer.slot_stat(self.state_key, width=self.history, dtype=torch.bool)
+        n = key.shape[2]
+        weights = key.new_zeros((key.shape[0], key.shape[1], count, n), dtype=torch.float32)
+        for start, probs in attention_probs(query[:, :, -count:], key, scaling):
+            # each KV head's query heads averaged; chunks see up to their last query's slot
+            weights[:, :, start : start + probs.shape[3], : probs.shape[-1]] = probs.mean(dim=2)
+        seen_by = torch.arange(n - count, n, device=key.device) + 1  # entries the i-th query sees
+        visible = torch.arange(n, device=key.device)[None, :] < seen_by[:, None]
+        unimportant = (weights < 1.0 / seen_by[:, None].to(weights.dtype)) & visible
+        columns = (torch.arange(layer.seen - count, layer.seen, device=key.device)) % self.history
+        ring[..., columns] = unimportant.transpose(-1, -2)
+
+    def score(self, layer, budget: int) -> torch.Tensor:
+        counts = layer.slot_stat(self.state_key, width=self.history, dtype=torch.bool).sum(dim=-1)
+        # most often unimportant goes first; among equals, the oldest
+        scores = -counts.double() + layer.live_positions().double() / (layer.seen + 1)
+        return protect(scores, recent_mask(layer, self.recent))
