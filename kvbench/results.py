@@ -167,7 +167,8 @@ def merge_runs(output: str | Path, shards: list[str]) -> None:
         raise KvbenchError(f"shards come from different configs (hashes {', '.join(sorted(hashes))})")
     target = RunFolder(output)
     merged = {**manifests[0], "shard": None, "merged_from": [str(f.path) for f in folders],
-              "cells": sorted({cell for m in manifests for cell in m["cells"]})}
+              "cells": sorted({cell for m in manifests for cell in m["cells"]}),
+              "cell_descriptions": {k: v for m in manifests for k, v in m.get("cell_descriptions", {}).items()}}
     target.open(merged, force=False)
     seen = target.done()
     statuses = target.cells()

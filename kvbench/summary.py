@@ -41,6 +41,10 @@ def summarize(run: str | Path, write: bool = True) -> pd.DataFrame:
     for cell_id, status in statuses.items():  # cells that failed before any sample
         if (grid is None or cell_id in grid) and not any(r["cell_id"] == cell_id for r in rows):
             rows.append(_row(cell_id, [], status))
+    described = manifest.get("cell_descriptions", {})
+    for cell_id in grid or []:  # cells of the grid that never ran (yet, or in another shard)
+        if cell_id in described and not any(r["cell_id"] == cell_id for r in rows):
+            rows.append(_row(cell_id, [], {"cell": described[cell_id], "status": "missing"}))
     frame = pd.DataFrame(rows)
     if frame.empty:
         return frame

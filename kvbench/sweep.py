@@ -140,6 +140,7 @@ def manifest(config: SweepConfig, cells: list[Cell], lm: LoadedModel, shard_spec
         "config_hash": config.result_hash(),
         "shard": shard_spec,
         "cells": [cell.id for cell in cells],
+        "cell_descriptions": {cell.id: cell.description for cell in cells},
         "model": lm.describe(),
         "environment": environment(lm.device),
         "seed": config.seed,

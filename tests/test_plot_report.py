@@ -24,11 +24,21 @@ CELLS = [("full", None, 1.0, [1, 1, 1]), ("window", 64, 0.1, [0, 0, 1]), ("windo
          ("snapkv", 64, 0.1, [1, 0, 1]), ("snapkv", 256, 0.25, [1, 1, 1]), ("h2o", 512, 0.5, [1, 1, 1])]
 
 
+@pytest.fixture(autouse=True)
+def close_figures():
+    yield
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
 @pytest.fixture
 def run(tmp_path):
     folder = RunFolder(tmp_path / "run")
     ids = [f"{name}-{budget}-{length}" for name, budget, _, _ in CELLS for length in (512, 1024)] + ["oom-cell"]
-    folder.open({"name": "synthetic", "config_hash": "h", "started": "t", "cells": ids,
+    never_ran = {**BASE, "policy": {"name": "tova", "params": {}}, "budget": 64, "context_length": 512}
+    folder.open({"name": "synthetic", "config_hash": "h", "started": "t", "cells": [*ids, "never-ran"],
+                 "cell_descriptions": {"never-ran": never_ran},
                  "model": {"spec": "m", "layers": 2, "kv_heads": 2, "head_dim": 16}}, force=False)
     for name, budget, ratio, by_depth in CELLS:
         for length in (512, 1024):
@@ -74,8 +84,11 @@ def test_curves_plot_the_summary_numbers(run):
         np.testing.assert_allclose(lines[policy].get_ydata(), expected["score"])
     full = frame[(frame["policy"] == "full") & (frame["context_length"] == 1024)]["score"].iloc[0]
     assert lines["full"].get_ydata()[0] == full
-    # the oom cell leaves a gap and says so
+    # the oom cell and the cell that never ran leave gaps and say so
     assert any("oom: h2o b=2048" in text.get_text() for text in axis.texts)
+    first = figures(run)["score_vs_ratio_niah"].axes[0]
+    assert any("missing: tova b=64" in text.get_text() for text in first.texts)
+    assert set(frame["status"]) == {"ok", "oom", "missing"}
 
 
 def test_needle_heatmap_cells_are_mean_scores_by_depth_and_length(run):
