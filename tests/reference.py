@@ -69,40 +69,46 @@ def top_set(scores: torch.Tensor, candidates: torch.Tensor, count: int) -> torch
     return chosen
 
 
-@torch.no_grad()
-def h2o_reference(lm, prompt: list[int], decode: list[int], budget: int, recent: int,
-                  prefill_kept: list[torch.Tensor] | None = None) -> list[list[torch.Tensor]]:
-    """Kept position masks per step (after prefill, after each decode token), per layer `[kv_heads, seen]`:
-    H2O keeps the `recent` newest plus the top `budget - recent` by attention accumulated over all queries.
-    `prefill_kept` replaces H2O's own choice after the prompt (another policy compressed it)."""
-    kv_heads = lm.kv_heads
-    total = len(prompt) + len(decode)
-    scores = {layer: torch.zeros(kv_heads, total) for layer in range(lm.num_layers)}
-    kept = {layer: torch.ones(kv_heads, 0, dtype=torch.bool) for layer in range(lm.num_layers)}
+def simulate(lm, prompt: list[int], decode: list[int], rule) -> list[list[torch.Tensor]]:
+    """Run `prompt` then each `decode` token over a stock cache, attention masked to what is kept; after each
+    step `rule(layer, weights, alive, seen, new)` returns the layer's kept mask `[kv_heads, seen]` given the
+    step's attention weights `[H, q, seen]` and `alive` (kept so far plus the `new` tokens).
+    Returns the kept masks per step (after the prompt, after each decode token), per layer."""
+    kept = {layer: torch.ones(lm.kv_heads, 0, dtype=torch.bool) for layer in range(lm.num_layers)}
     cache, history, seen = DynamicCache(), [], 0
     with reference_attention(lm) as attention:
         for ids in [prompt] + [[token] for token in decode]:
             attention.allowed = kept
             stock_forward(lm, cache, ids, seen)
             seen += len(ids)
-            step = []
             for layer in range(lm.num_layers):
-                scores[layer][:, :seen] += received(attention.weights[layer], kv_heads)
-                alive = torch.cat([kept[layer], torch.ones(kv_heads, len(ids), dtype=torch.bool)], dim=1)
-                if prefill_kept is not None and seen == len(prompt):
-                    alive = prefill_kept[layer].clone()
-                elif int(alive[0].sum()) > budget:
-                    is_recent = torch.arange(seen) >= seen - recent
-                    protected = alive & is_recent  # recent entries still held (another policy may have dropped some)
-                    alive = torch.stack([
-                        top_set(scores[layer][h, :seen], alive[h] & ~is_recent, budget - int(protected[h].sum()))
-                        | protected[h]
-                        for h in range(kv_heads)
-                    ])
-                kept[layer] = alive
-                step.append(alive.clone())
-            history.append(step)
+                alive = torch.cat([kept[layer], torch.ones(lm.kv_heads, len(ids), dtype=torch.bool)], dim=1)
+                kept[layer] = rule(layer, attention.weights[layer][0], alive, seen, len(ids))
+            history.append([mask.clone() for mask in kept.values()])
     return history
+
+
+@torch.no_grad()
+def h2o_reference(lm, prompt: list[int], decode: list[int], budget: int, recent: int,
+                  prefill_kept: list[torch.Tensor] | None = None) -> list[list[torch.Tensor]]:
+    """H2O keeps the `recent` newest plus the top `budget - recent` by attention accumulated over all queries.
+    `prefill_kept` replaces H2O's own choice after the prompt (another policy compressed it)."""
+    scores = {layer: torch.zeros(lm.kv_heads, len(prompt) + len(decode)) for layer in range(lm.num_layers)}
+
+    def rule(layer, weights, alive, seen, new):
+        scores[layer][:, :seen] += received(weights[None], lm.kv_heads)
+        if prefill_kept is not None and seen == len(prompt):
+            return prefill_kept[layer].clone()
+        if int(alive[0].sum()) <= budget:
+            return alive
+        is_recent = torch.arange(seen) >= seen - recent
+        protected = alive & is_recent  # recent entries still held (another policy may have dropped some)
+        return torch.stack([
+            top_set(scores[layer][h, :seen], alive[h] & ~is_recent, budget - int(protected[h].sum())) | protected[h]
+            for h in range(lm.kv_heads)
+        ])
+
+    return simulate(lm, prompt, decode, rule)
 
 
 @torch.no_grad()
@@ -126,28 +132,16 @@ def snapkv_reference(lm, prompt: list[int], window: int, kernel: int, pooling: s
 def tova_reference(lm, prompt: list[int], decode: list[int], budget: int, per_head: bool) -> list[list[torch.Tensor]]:
     """TOVA: after each step, while over budget, drop the entry the newest query attends to least,
     averaged over all the layer's heads (or over each KV head's query heads with `per_head`)."""
-    kv_heads = lm.kv_heads
-    kept = {layer: torch.ones(kv_heads, 0, dtype=torch.bool) for layer in range(lm.num_layers)}
-    cache, history, seen = DynamicCache(), [], 0
-    with reference_attention(lm) as attention:
-        for ids in [prompt] + [[token] for token in decode]:
-            attention.allowed = kept
-            stock_forward(lm, cache, ids, seen)
-            seen += len(ids)
-            step = []
-            for layer in range(lm.num_layers):
-                last = attention.weights[layer][0, :, -1]  # [H, seen]: the newest query's attention
-                scores = last.view(kv_heads, -1, seen).mean(dim=1)
-                if not per_head:
-                    scores = scores.mean(dim=0, keepdim=True).expand(kv_heads, seen)
-                alive = torch.cat([kept[layer], torch.ones(kv_heads, len(ids), dtype=torch.bool)], dim=1)
-                count = int(alive[0].sum())
-                if count > budget:
-                    alive = torch.stack([top_set(scores[h], alive[h], budget) for h in range(kv_heads)])
-                kept[layer] = alive
-                step.append(alive.clone())
-            history.append(step)
-    return history
+
+    def rule(layer, weights, alive, seen, new):
+        scores = weights[:, -1].view(lm.kv_heads, -1, seen).mean(dim=1)  # the newest query's attention
+        if not per_head:
+            scores = scores.mean(dim=0, keepdim=True).expand(lm.kv_heads, seen)
+        if int(alive[0].sum()) <= budget:
+            return alive
+        return torch.stack([top_set(scores[h], alive[h], budget) for h in range(lm.kv_heads)])
+
+    return simulate(lm, prompt, decode, rule)
 
 
 @torch.no_grad()
@@ -164,37 +158,25 @@ def scissorhands_reference(lm, prompt: list[int], decode: list[int], budget: int
     """Scissorhands: each of the last `history` queries marks the entries it gives less than 1/(entries it
     sees) of its attention; over budget, the entries marked most often go first (the oldest among equals),
     never the `recent` newest."""
-    kv_heads, total = lm.kv_heads, len(prompt) + len(decode)
-    kept = {layer: torch.ones(kv_heads, 0, dtype=torch.bool) for layer in range(lm.num_layers)}
+    total = len(prompt) + len(decode)
     marks = {layer: {} for layer in range(lm.num_layers)}  # query position -> [kv_heads, total] verdicts
-    cache, history_out, seen = DynamicCache(), [], 0
-    with reference_attention(lm) as attention:
-        for ids in [prompt] + [[token] for token in decode]:
-            attention.allowed = kept
-            stock_forward(lm, cache, ids, seen)
-            seen += len(ids)
-            step = []
-            for layer in range(lm.num_layers):
-                weights = attention.weights[layer][0]  # [H, q, seen]
-                alive = torch.cat([kept[layer], torch.ones(kv_heads, len(ids), dtype=torch.bool)], dim=1)
-                for i in range(max(0, len(ids) - history), len(ids)):
-                    position = seen - len(ids) + i
-                    sees = alive.clone()
-                    sees[:, position + 1 :] = False
-                    probs = weights[:, i].view(kv_heads, -1, seen).mean(dim=1)
-                    verdict = torch.zeros(kv_heads, total, dtype=torch.bool)
-                    verdict[:, :seen] = (probs < 1.0 / sees.sum(-1, keepdim=True)) & sees
-                    marks[layer][position] = verdict
-                recent_queries = [marks[layer][p] for p in range(seen - history, seen) if p in marks[layer]]
-                counts = torch.stack(recent_queries).sum(0)[:, :seen]
-                excess = int(alive[0].sum()) - budget
-                if excess > 0:
-                    is_recent = torch.arange(seen) >= seen - recent
-                    for h in range(kv_heads):
-                        candidates = [p for p in range(seen) if alive[h, p] and not is_recent[p]]
-                        candidates.sort(key=lambda p, h=h: (-int(counts[h, p]), p))
-                        alive[h, candidates[:excess]] = False
-                kept[layer] = alive
-                step.append(alive.clone())
-            history_out.append(step)
-    return history_out
+
+    def rule(layer, weights, alive, seen, new):
+        for i in range(max(0, new - history), new):
+            position = seen - new + i
+            sees = alive.clone()
+            sees[:, position + 1 :] = False
+            probs = weights[:, i].view(lm.kv_heads, -1, seen).mean(dim=1)
+            verdict = torch.zeros(lm.kv_heads, total, dtype=torch.bool)
+            verdict[:, :seen] = (probs < 1.0 / sees.sum(-1, keepdim=True)) & sees
+            marks[layer][position] = verdict
+        counts = torch.stack([marks[layer][p] for p in range(seen - history, seen) if p in marks[layer]]).sum(0)
+        excess = int(alive[0].sum()) - budget
+        is_recent = torch.arange(seen) >= seen - recent
+        for h in range(lm.kv_heads if excess > 0 else 0):
+            candidates = [p for p in range(seen) if alive[h, p] and not is_recent[p]]
+            candidates.sort(key=lambda p, h=h: (-int(counts[h, p]), p))
+            alive[h, candidates[:excess]] = False
+        return alive
+
+    return simulate(lm, prompt, decode, rule)
