@@ -29,12 +29,18 @@ def kvbench_attention(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
+    observer = kwargs.get("kv_observer")
+    padding = None if observer is None else observer.padding(module.layer_idx)
+    if padding is not None:
+        # heads hold uneven counts (Ada-KV): each query head must skip its KV head's padding slots
+        group = query.shape[1] // key.shape[1]
+        attention_mask = causal_mask(query.shape[-2], key.shape[-2], key.device) & ~padding.repeat_interleave(
+            group, dim=1)[:, :, None, :]
+    elif attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
         # layers of one cache hold different lengths (per-layer budgets) but transformers builds one mask, sized
         # by layer 0: rebuild it for this layer (the new queries are the last slots; batch 1, no padding)
         attention_mask = causal_mask(query.shape[-2], key.shape[-2], key.device)
     output = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    observer = kwargs.get("kv_observer")
     if observer is not None and observer.observing:
         observer.observe(module.layer_idx, query, key, scaling if scaling is not None else module.scaling)
     return output

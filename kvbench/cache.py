@@ -38,6 +38,9 @@ class CacheStats:
         return self.kv_bytes_live / self.kv_bytes_full if self.kv_bytes_full else 1.0
 
 
+PADDING = "padding"  # per-slot stat: True where a head holds no entry (heads kept different counts)
+
+
 class LayerKV(CacheLayerMixin):
     """One layer's physically evicting store. Policies read `keys`, `positions` and `slot_stat()`."""
 
@@ -120,6 +123,32 @@ class LayerKV(CacheLayerMixin):
             shape = self.positions.shape + ((width,) if width else ())
             self.slot_stats[name] = torch.zeros(shape, dtype=dtype, device=self.device)
         return self.slot_stats[name][:, :, : self.length]
+
+    def padding(self) -> torch.Tensor | None:
+        """`[batch, kv_heads, length]`, True on slots a head does not hold, once heads hold uneven counts."""
+        stat = self.slot_stats.get(PADDING)
+        return None if stat is None else stat[:, :, : self.length]
+
+    def live_entries(self) -> int:
+        """Entries held over all heads (padding slots excluded)."""
+        padding = self.padding()
+        held = self.positions.shape[0] * self.positions.shape[1] * self.length
+        return held - (0 if padding is None else int(padding.sum()))
+
+    def retain(self, keep: torch.Tensor) -> None:
+        """Keep the slots marked in `keep` `[batch, heads, length]`, any number per head: each head's survivors
+        move to the front and heads that keep fewer than the most are padded (and masked in attention)."""
+        counts = keep.sum(dim=-1, keepdim=True)
+        width = int(counts.max())
+        survivors = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices[..., :width]
+        padding = self.slot_stat(PADDING, dtype=torch.bool)  # created before moving, so it moves too
+        for buffer in self._buffers():
+            buffer[:, :, :width] = _take(buffer[:, :, : self.length], survivors)
+        padding[..., :width] = torch.arange(width, device=self.device) >= counts
+        self.length = width
+        target = self.owner.capacity_for(width, self.layer_idx)
+        if self.capacity >= 2 * target:
+            self._reallocate(target)
 
     def _buffers(self) -> list[torch.Tensor]:
         return [self.keys, self.values, self.positions, *self.slot_stats.values()]
@@ -261,14 +290,23 @@ class KVCache(Cache):
             excess = layer.length - budget
             if excess < slack:
                 continue
+            chosen = self.policy.select(layer, budget)
+            if chosen is not None:  # uneven heads (Ada-KV): the policy picks the kept set itself
+                before = layer.live_entries()
+                layer.retain(chosen)
+                self.evictions += before - layer.live_entries()
+                continue
             scores = self.policy.score(layer, budget)
             evicted = scores.topk(excess, dim=-1, largest=False, sorted=False).indices
             layer.evict(evicted)
             self.evictions += evicted.numel()
 
+    def padding(self, layer_idx: int) -> torch.Tensor | None:
+        return self.layers[layer_idx].padding()
+
     def live_bytes(self) -> int:
-        batch, heads, head_dim = self.batch_heads_dim
-        return sum(2 * batch * heads * head_dim * layer.length * layer.keys.element_size()
+        head_dim = self.batch_heads_dim[2]
+        return sum(2 * head_dim * layer.live_entries() * layer.keys.element_size()
                    for layer in self.layers if layer.keys is not None)
 
     def stats(self) -> CacheStats:
@@ -276,13 +314,14 @@ class KVCache(Cache):
         layers = [layer for layer in self.layers if layer.is_initialized]
         slot_bytes = 2 * batch * heads * head_dim * layers[0].keys.element_size() if layers else 0
         lengths = [layer.length for layer in layers] or [0]
+        per_head = [layer.live_entries() / (batch * heads) for layer in layers] or [0]
         physical = sum(layer.capacity for layer in layers)
         return CacheStats(
-            kv_bytes_live=sum(lengths) * slot_bytes,
+            kv_bytes_live=round(sum(per_head) * slot_bytes),
             kv_bytes_physical=physical * slot_bytes,
             kv_bytes_peak=max(self.peak_slots, physical) * slot_bytes,
             kv_bytes_full=sum(layer.seen for layer in layers) * slot_bytes,
-            kept_mean=sum(lengths) / len(lengths),
+            kept_mean=sum(per_head) / len(per_head),
             kept_max=max(lengths),
             kept_max_ever=max((layer.max_held for layer in layers), default=0),
             evictions=self.evictions,

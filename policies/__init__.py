@@ -1,6 +1,7 @@
 """Built-in KV-cache policies, one file each; importing this package registers them all."""
 
 from kvbench.policies import (  # noqa: F401
+    ada_kv,
     adaptive,
     compose,
     full,

@@ -38,6 +38,11 @@ class Policy:
         """`[batch, kv_heads, length]` scores of the live slots; the top `budget` per head are kept."""
         raise NotImplementedError
 
+    def select(self, layer: LayerKV, budget: int) -> torch.Tensor | None:
+        """A `[batch, kv_heads, length]` keep mask with any count per head (Ada-KV); None: the top `budget`
+        of `score()` per head."""
+        return None
+
     def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
         """Entries per KV head for each layer; the total is `num_layers x budget`."""
         return [budget] * num_layers

@@ -24,6 +24,9 @@ class Compose(Policy):
         first, then = build_spec(self.prefill), build_spec(self.decode)
         if not first.phases:
             raise KvbenchError(f"policy '{self.name}': prefill policy '{first.name}' does not compress")
+        if type(first).select is not Policy.select:
+            # its uneven per-head lengths are padded; decode-time scorers do not skip padding slots
+            raise KvbenchError(f"policy '{self.name}': '{first.name}' cannot be followed by a decode-time policy")
         if not then.evicts_during_decode:
             raise KvbenchError(f"policy '{self.name}': decode policy '{then.name}' does not evict while decoding")
         self._stages = (first, then)

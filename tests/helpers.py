@@ -11,7 +11,10 @@ def kept_masks(cache: KVCache) -> list[torch.Tensor]:
     masks = []
     for layer in cache.layers:
         mask = torch.zeros(layer.positions.shape[1], layer.seen, dtype=torch.bool)
-        mask.scatter_(1, layer.live_positions()[0], True)
+        held = torch.ones_like(layer.live_positions()[0], dtype=torch.bool)
+        if layer.padding() is not None:  # heads with uneven counts: padding slots hold nothing
+            held = ~layer.padding()[0]
+        mask.scatter_(1, layer.live_positions()[0], held)
         masks.append(mask)
     return masks
 

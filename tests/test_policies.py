@@ -207,3 +207,40 @@ def test_scissorhands_matches_persistence_of_importance_reference(sharp_llama, h
     for step, (mine, theirs) in enumerate(zip(ours, reference, strict=True)):
         for layer, (mask, expected) in enumerate(zip(mine, theirs, strict=True)):
             assert torch.equal(mask, expected), f"step {step} layer {layer}"
+
+
+def ada_reference(scores: torch.Tensor, window: int, budget: int, alpha: float) -> torch.Tensor:
+    """Ada-KV from its definition: per head the top round(alpha x budget) are kept; the layer's remaining
+    heads x budget places go to the highest scores of any head. `scores` `[kv_heads, prefix]` (SnapKV's)."""
+    heads = scores.shape[0]
+    full = torch.cat([scores, torch.full((heads, window), float("inf"))], dim=1)
+    keep = torch.zeros_like(full, dtype=torch.bool)
+    floor = round(alpha * budget)
+    for h in range(heads):
+        keep[h, full[h].topk(floor).indices] = True
+    rest = full.masked_fill(keep, float("-inf")).flatten()
+    keep.view(-1)[rest.topk(heads * budget - int(keep.sum())).indices] = True
+    return keep
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.2, 0.6])
+def test_ada_kv_shares_the_layer_budget_across_heads_above_a_floor(sharp_llama, alpha):
+    window = 8
+    policy = build_policy("ada_kv", {"base": {"name": "snapkv", "window": window, "kernel": 5, "pooling": "avg"},
+                                     "alpha": alpha})
+    cache, history = run_cache(sharp_llama, policy, PROMPT, DECODE, BUDGET)
+    scores = snapkv_reference(sharp_llama, PROMPT, window=window, kernel=5, pooling="avg")
+    uneven = False
+    for layer, (mask, layer_scores) in enumerate(zip(history[0], scores, strict=True)):
+        counts = mask.sum(-1)
+        assert int(counts.sum()) == sharp_llama.kv_heads * BUDGET, f"layer {layer}"
+        assert int(counts.min()) >= round(alpha * BUDGET)
+        assert torch.equal(mask, ada_reference(layer_scores, window, BUDGET, alpha)), f"layer {layer}"
+        uneven |= bool(counts.max() > counts.min())
+    assert uneven, "the heads should not all keep the same count here"
+    stats = cache.stats()  # padding is allocated, not live: the record says so
+    entry = 2 * sharp_llama.head_dim * 4
+    assert stats.kv_bytes_live == (sharp_llama.kv_heads * BUDGET + sharp_llama.kv_heads * len(DECODE)) * entry * 2
+    assert stats.kv_bytes_physical > stats.kv_bytes_live
+    with pytest.raises(KvbenchError, match="cannot be followed"):
+        build_policy("compose", {"prefill": "ada_kv", "decode": "h2o"})

@@ -14,7 +14,9 @@ from tests.reference import reference_attention, stock_forward
 
 
 @pytest.mark.parametrize("name,params", [("window", {}), ("streaming_llm", {"sinks": 4}), ("h2o", {}),
-                                         ("snapkv", {"window": 8}), ("random", {})])
+                                         ("snapkv", {"window": 8}), ("random", {}), ("tova", {}),
+                                         ("ada_kv", {"base": {"name": "snapkv", "window": 8}, "alpha": 0.2}),
+                                         ("pyramidkv", {"window": 8, "beta": 4})])
 @torch.inference_mode()
 def test_evicted_cache_equals_masked_full_cache(sharp_llama, name, params):
     """Reference: a stock DynamicCache holding every entry, with attention masked to the kept

@@ -94,6 +94,7 @@ def test_sweep_writes_the_run_folder_and_a_rerun_runs_nothing(tmp_path):
 
 @pytest.mark.parametrize("policies", [TINY["policies"], ["full", "tova", {"name": "knorm", "decode": True},
                                                         {"name": "scissorhands", "history": 8, "recent": 4},
+                                                        {"name": "ada_kv", "base": {"name": "snapkv", "window": 8}},
                                                         {"name": "hybrid", "prefill": {"name": "snapkv", "window": 8}},
                                                         {"name": "adaptive", "limit_bytes": 40000, "fallback": "h2o"}]])
 def test_shared_prefill_gives_the_records_of_cells_run_alone(tmp_path, policies):

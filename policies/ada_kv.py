@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvbench.errors import KvbenchError
+from kvbench.policies.base import Policy, build_spec, register
+
+
+@register
+@dataclass
+class AdaKV(Policy):
+    """Ada-KV (Feng et al. 2024): a layer's heads share its budget by score, each keeping at least a floor."""
+
+    name = "ada_kv"
+    phases = ("prefill",)
+    needs_attention = True
+    base: str | dict[str, Any] = "snapkv"  # whose scores (and layer budgets) are shared out: snapkv, pyramidkv
+    alpha: float = 0.2  # floor: every head keeps at least alpha x budget entries (its window counts)
+    _base: Policy = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alpha <= 1.0:
+            raise KvbenchError(f"policy 'ada_kv' parameter 'alpha' must be in [0, 1], got {self.alpha}")
+        self._base = build_spec(self.base)
+        if self._base.phases != ("prefill",) or not self._base.needs_attention:
+            raise KvbenchError(f"policy 'ada_kv': base '{self._base.name}' must be a prefill-time attention scorer "
+                               "(snapkv, pyramidkv)")
+
+    def select(self, layer, budget: int) -> torch.Tensor:
+        # the top `floor` of each head are guaranteed; the rest of heads x budget goes to the best scores of
+        # any head: flattened top-k over the layer
+        scores = self._base.score(layer, budget)
+        batch, heads, n = scores.shape
+        floor = min(round(self.alpha * budget), budget)
+        guaranteed = torch.zeros_like(scores, dtype=torch.bool)
+        if floor:
+            guaranteed.scatter_(-1, scores.topk(floor, dim=-1).indices, True)
+        ranked = scores.masked_fill(guaranteed, float("inf")).reshape(batch, heads * n)
+        keep = torch.zeros_like(ranked, dtype=torch.bool)
+        keep.scatter_(-1, ranked.topk(heads * budget, dim=-1).indices, True)
+        return keep.view(batch, heads, n)
+
+    def score(self, layer, budget: int) -> torch.Tensor:
+        return self._base.score(layer, budget)
+
+    def observers(self) -> list[Policy]:
+        return self._base.observers()
+
+    def state_keys(self) -> list[str]:
+        return self._base.state_keys()
+
+    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
+        return self._base.layer_budgets(budget, num_layers)
+
+    def check_budget(self, budget: int) -> None:
+        self._base.check_budget(budget)
