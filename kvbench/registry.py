@@ -62,9 +62,6 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         return sorted(self._entries)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._entries
-
 
 def first_line(cls: type) -> str:
     """A class's one-line description: the first line of its docstring."""
