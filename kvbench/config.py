@@ -112,6 +112,10 @@ class SweepConfig(Strict):
                 except KvbenchError as exc:
                     raise _Located((field, index, "name"), str(exc)) from None
                 if field == "policies":
+                    try:
+                        built.check_settings(chunked=self.prefill.mode == "chunked")
+                    except KvbenchError as exc:
+                        raise _Located((field, index, "name"), str(exc)) from None
                     for budget in self.budgets:
                         if built.phases and isinstance(budget, int):
                             try:

@@ -130,6 +130,7 @@ def generate(lm: LoadedModel, policy: Policy, context_ids: list[int], question_i
         raise KvbenchError(f"policy '{policy.name}' needs a budget")
     if budget is not None:
         policy.check_budget(budget)
+    policy.check_settings(chunked=settings.prefill == "chunked")
     agnostic = settings.question == "agnostic"
     compressed = context_ids if agnostic else context_ids + question_ids
     chunked = settings.prefill == "chunked"

@@ -29,6 +29,10 @@ class AdaKV(Policy):
             raise KvbenchError(f"policy 'ada_kv': base '{self._base.name}' must be a prefill-time attention scorer "
                                "(snapkv, pyramidkv)")
 
+    def check_settings(self, chunked: bool) -> None:
+        if chunked:  # later chunks would be scored against padding slots
+            raise KvbenchError("policy 'ada_kv' compresses the prompt once: use prefill mode 'full'")
+
     def select(self, layer, budget: int) -> torch.Tensor:
         # the top `floor` of each head are guaranteed; the rest of heads x budget goes to the best scores of
         # any head: flattened top-k over the layer

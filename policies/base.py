@@ -55,6 +55,9 @@ class Policy:
         """Events a record should carry (e.g. when an adaptive policy switched)."""
         return {}
 
+    def check_settings(self, chunked: bool) -> None:
+        """Raise KvbenchError when this policy cannot run with these run settings."""
+
     def check_budget(self, budget: int) -> None:
         """Raise KvbenchError when this policy cannot work within `budget` tokens."""
         if budget < 1:

@@ -244,3 +244,11 @@ def test_ada_kv_shares_the_layer_budget_across_heads_above_a_floor(sharp_llama, 
     assert stats.kv_bytes_physical > stats.kv_bytes_live
     with pytest.raises(KvbenchError, match="cannot be followed"):
         build_policy("compose", {"prefill": "ada_kv", "decode": "h2o"})
+
+
+def test_ada_kv_refuses_chunked_prefill(tiny_llama):
+    from kvbench.runner import RunSettings, generate
+
+    with pytest.raises(KvbenchError, match="prefill mode 'full'"):
+        generate(tiny_llama, build_policy("ada_kv"), PROMPT, [], RunSettings(budget=48, prefill="chunked"),
+                 max_new_tokens=2, eos_token_ids=set())

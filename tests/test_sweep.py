@@ -229,6 +229,8 @@ BAD = [
     ("policies: [window]\nbudgets: [8]\ncontext_lengths: [9]\ntasks: [niah]\n", "missing key 'name'"),
     ("- just\n- a list\n", "a config must be a mapping"),
     ("include: nowhere.yaml\nname: x\n", "config file not found"),
+    ("name: x\npolicies: [ada_kv]\nbudgets: [64]\ncontext_lengths: [9]\ntasks: [niah]\nprefill: {mode: chunked}\n",
+     ":2: policies[0].name: policy 'ada_kv' compresses the prompt once"),
 ]
 
 
