@@ -210,10 +210,20 @@ def summary_table(records: list[dict[str, Any]], model: dict[str, Any]) -> Table
         mean = rows.mean(numeric_only=True)
         table.add_row(
             str(length), name, budget, str(len(rows)), f"{mean['scores.score']:.2f}", f"{mean['cache_ratio']:.3f}",
-            human_bytes(mean["kv_bytes_peak"]), human_bytes(mean["kv_bytes_live"]), f"{mean['ttft_s']:.2f}",
-            "-" if pd.isna(mean["tpot_s"]) else f"{mean['tpot_s'] * 1000:.0f}",
+            human_bytes(mean["kv_bytes_peak"]), human_bytes(mean["kv_bytes_live"]), _number(mean, "ttft_s", ".2f"),
+            _number(mean, "tpot_s", ".0f", 1000),
         )
+    if not all(r.get("higher_is_better", True) for r in records):
+        table.caption = "score: perplexity, lower is better"
     return table
+
+
+def _number(row, key: str, spec: str, scale: float = 1.0) -> str:
+    """A mean that some tasks do not measure (perplexity has no time to first token): '-' then."""
+    import pandas as pd
+
+    value = row.get(key)
+    return "-" if value is None or pd.isna(value) else format(value * scale, spec)
 
 
 def sweep_table(frame, title: str) -> Table:

@@ -61,6 +61,7 @@ def cell_metrics(run: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, A
             "label": _label(cell),
             "status": status,
             "n": len(scores),
+            "higher_is_better": records[0].get("higher_is_better", True),
             "score": float(np.mean(list(scores.values()))),
             "score_ci": [low, high],
             "samples": scores,
@@ -70,6 +71,12 @@ def cell_metrics(run: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, A
             "speed_vs_full": {key: _mean(records, key) / base[key] for key in SPEED if base.get(key)},
         }
     return manifest, cells
+
+
+def improvement(base: float, run: float, higher_is_better: bool) -> float:
+    """The change from `base` to `run` in points, positive when better: score x 100 for a fraction, and
+    the relative change in percent for a lower-is-better score (perplexity 10 -> 10.5 is -5 points)."""
+    return (run - base) * 100 if higher_is_better else (base - run) / base * 100
 
 
 def _mean(records: list[dict[str, Any]], key: str) -> float | None:
@@ -183,7 +190,8 @@ def _compare(cell_id: str, label: str, base: dict[str, Any], run: dict[str, Any]
         check.reasons.append(f"status {run['status']}")
     shared = sorted(set(base["samples"]) & set(run["samples"]))
     if shared:
-        diff = np.array([run["samples"][s] - base["samples"][s] for s in shared], dtype=float) * 100
+        diff = np.array([improvement(base["samples"][s], run["samples"][s], base.get("higher_is_better", True))
+                         for s in shared], dtype=float)
         low, high = bootstrap_ci(diff)
         check.delta = (float(diff.mean()), low, high)
         if high < -limits.max_drop:

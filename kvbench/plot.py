@@ -135,8 +135,7 @@ def _score_curves(plt, rows: pd.DataFrame, x: str, xlabel: str, style: str, log_
             axis.plot(xs, series["score"], marker="o", color=colour, label=label)
             axis.fill_between(xs, series["score_ci_low"], series["score_ci_high"], color=colour, alpha=0.15)
         _failed_note(axis, panel)
-        axis.set(title=f"{panel['task'].iloc[0]}, {length} tokens", xlabel=xlabel, ylabel="score",
-                 ylim=(-0.05, 1.05))
+        axis.set(title=f"{panel['task'].iloc[0]}, {length} tokens", xlabel=xlabel, **_score_axis(panel))
         if log_x:
             axis.set_xscale("log")
         axis.grid(alpha=0.3)
@@ -255,15 +254,23 @@ def _speed(plt, frame: pd.DataFrame, style: str):
     return figure
 
 
-def pareto_front(points: pd.DataFrame, x: str, y: str) -> pd.DataFrame:
-    """Rows not beaten by another row with less (or equal) `x` and more (or equal) `y`."""
-    ordered = points.dropna(subset=[x, y]).sort_values([x, y], ascending=[True, False])
+def pareto_front(points: pd.DataFrame, x: str, y: str, higher_is_better: bool = True) -> pd.DataFrame:
+    """Rows not beaten by another row with less (or equal) `x` and a better (or equal) `y`."""
+    sign = 1 if higher_is_better else -1
+    ordered = points.dropna(subset=[x, y]).sort_values([x, y], ascending=[True, not higher_is_better])
     best, keep = -np.inf, []
     for index, row in ordered.iterrows():
-        if row[y] > best:
+        if sign * row[y] > best:
             keep.append(index)
-            best = row[y]
+            best = sign * row[y]
     return ordered.loc[keep]
+
+
+def _score_axis(rows: pd.DataFrame) -> dict[str, Any]:
+    """A fraction's axis is [0, 1]; a lower-is-better score (perplexity) gets its own range."""
+    if rows["higher_is_better"].all():
+        return {"ylabel": "score", "ylim": (-0.05, 1.05)}
+    return {"ylabel": "perplexity (lower is better)"}
 
 
 def _pareto(plt, frame: pd.DataFrame, style: str):
@@ -273,13 +280,13 @@ def _pareto(plt, frame: pd.DataFrame, style: str):
         rows = rows.assign(kv_mib=rows["kv_bytes_live"] / 2**20)
         for _, row in rows.dropna(subset=["score"]).iterrows():
             axis.scatter(row["kv_mib"], row["score"], color=policy_colour(row["policy"]), s=14)
-        front = pareto_front(rows, "kv_mib", "score")
+        front = pareto_front(rows, "kv_mib", "score", bool(rows["higher_is_better"].all()))
         axis.step(front["kv_mib"], front["score"], where="post", color="#555555", linewidth=0.8, label="Pareto front")
         for _, row in front.iterrows():
             axis.annotate(f"{row['policy']} {row['budget']}", (row["kv_mib"], row["score"]), fontsize="xx-small",
                           xytext=(2, 2), textcoords="offset points")
         _failed_note(axis, rows)
-        axis.set(title=f"{task}, {length} tokens", xlabel="KV cache held (MiB)", ylabel="score", ylim=(-0.05, 1.05))
+        axis.set(title=f"{task}, {length} tokens", xlabel="KV cache held (MiB)", **_score_axis(rows))
         axis.grid(alpha=0.3)
     axes[0].legend(fontsize="x-small")
     figure.tight_layout()

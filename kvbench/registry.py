@@ -64,8 +64,8 @@ class Registry(Generic[T]):
 
 
 def first_line(cls: type) -> str:
-    """A class's one-line description: the first line of its docstring."""
-    return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+    """A class's one-line description: the first paragraph of its docstring, unwrapped."""
+    return " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
 
 
 def declared_params(cls: type) -> dict[str, Any]:

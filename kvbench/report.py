@@ -23,15 +23,18 @@ def recommend(frame: pd.DataFrame, max_drop: float) -> pd.DataFrame:
     rows = []
     for key, group in frame.groupby(GROUP, sort=False):
         full = group[group["policy"] == "full"]
-        ok = group[(group["policy"] != "full") & (group["delta_ci_low"] * 100 >= -max_drop)]
         row: dict[str, Any] = dict(zip(GROUP, key, strict=True))
         if full.empty:
             rows.append({**row, "policy": None, "note": "no full cell to compare with"})
             continue
+        higher = bool(group["higher_is_better"].all())
+        # the worst end of the change's CI, in points of improvement (see gate.improvement)
+        worst = group["delta_ci_low"] * 100 if higher else -group["delta_ci_high"] / full.iloc[0]["score"] * 100
+        ok = group[(group["policy"] != "full") & (worst >= -max_drop)]
         if ok.empty:
             rows.append({**row, "policy": None, "note": f"none within {max_drop:g} points"})
             continue
-        best = ok.sort_values(["cache_ratio", "score"], ascending=[True, False]).iloc[0]
+        best = ok.sort_values(["cache_ratio", "score"], ascending=[True, not higher]).iloc[0]
         base = full.iloc[0]
         rows.append({
             **row, "policy": best["policy"], "params": best["params"], "budget": best["budget"],
@@ -51,7 +54,8 @@ def latex(frame: pd.DataFrame) -> str:
     scale = {"kv_bytes_peak": 2**-20, "tpot_s": 1000}
     out = []
     for key, group in frame.groupby(GROUP, sort=False):
-        best = {c: pick(group[c].dropna()) for c, _, pick in columns if group[c].notna().any()}
+        flip = {max: min} if not group["higher_is_better"].all() else {}  # perplexity: lower wins
+        best = {c: flip.get(pick, pick)(group[c].dropna()) for c, _, pick in columns if group[c].notna().any()}
         lines = [r"\begin{table}[t]", r"\centering", r"\small",
                  r"\begin{tabular}{ll" + "r" * len(columns) + "}", r"\toprule",
                  "policy & budget & " + " & ".join(title for _, title, _ in columns) + r" \\", r"\midrule"]
@@ -84,8 +88,9 @@ def failure_gallery(run: str | Path, limit: int = 40) -> list[dict[str, Any]]:
     lost = []
     for record in records:
         reference = full.get((repr([record["cell"][k] for k in keep]), record["sample_id"]))
+        sign = 1 if record.get("higher_is_better", True) else -1
         if reference and record["cell"]["policy"]["name"] != "full" and \
-                record["scores"]["score"] < reference["scores"]["score"]:
+                sign * record["scores"]["score"] < sign * reference["scores"]["score"]:
             lost.append({"policy": record["cell"]["policy"]["name"], "budget": record["cell"]["budget"],
                          "context_length": record["cell"]["context_length"], "sample": record["sample_id"],
                          "prediction": record["prediction"], "full_prediction": reference["prediction"],

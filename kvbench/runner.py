@@ -64,20 +64,22 @@ def resolve_budget(budget: int | float | None, prompt_tokens: int) -> int | None
     return int(budget)
 
 
-def forward(lm: LoadedModel, cache: KVCache, ids: list[int]) -> torch.Tensor:
-    """Feed `ids` after what `cache` has seen; return the last position's logits `[1, vocab]`."""
+def forward(lm: LoadedModel, cache: KVCache, ids: list[int], all_logits: bool = False) -> torch.Tensor:
+    """Feed `ids` after what `cache` has seen; return the last position's logits `[1, vocab]` (every
+    position's, `[len(ids), vocab]`, with `all_logits`)."""
     seen, length = cache.layers[0].seen, cache.layers[0].length
     inputs = torch.tensor([ids], device=lm.device)
     kwargs: dict[str, Any] = {
         lm.cache_arg: cache,
         "position_ids": torch.arange(seen, seen + len(ids), device=lm.device)[None],
         "use_cache": True,
-        "logits_to_keep": 1,
+        "logits_to_keep": 0 if all_logits else 1,
         "kv_observer": cache,
     }
     if lm.takes_cache_position:  # transformers < 5.2x sizes the mask from cache positions
         kwargs["cache_position"] = torch.arange(length, length + len(ids), device=lm.device)
-    return lm.model(input_ids=inputs, **kwargs).logits[:, -1]
+    logits = lm.model(input_ids=inputs, **kwargs).logits
+    return logits[0] if all_logits else logits[:, -1]
 
 
 @dataclass
@@ -88,6 +90,7 @@ class Generation:
     tokens: list[int]
     last_logits: torch.Tensor
     measurements: dict[str, Any]
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # a task's own outputs (see Task.outcome)
 
 
 @dataclass
@@ -119,27 +122,57 @@ def shared_prefill(lm: LoadedModel, ids: list[int], observers: list[Policy]) -> 
     return SharedPrefill(cache, logits, seconds, memory.peak_bytes)
 
 
+def policy_budget(policy: Policy, settings: RunSettings, prompt_tokens: int, chunked: bool) -> int | None:
+    """The resolved budget of `policy` for a prompt of `prompt_tokens`, after the policy's own checks."""
+    budget = None if not policy.phases else resolve_budget(settings.budget, prompt_tokens)
+    if policy.phases and budget is None:
+        raise KvbenchError(f"policy '{policy.name}' needs a budget")
+    if budget is not None:
+        policy.check_budget(budget)
+    policy.check_settings(chunked=chunked)
+    return budget
+
+
+def new_cache(lm: LoadedModel, policy: Policy, budget: int | None, evict_every: int = 1, headroom: int = 1,
+              growth: int = 256) -> KVCache:
+    return KVCache(lm.num_layers, (1, lm.kv_heads, lm.head_dim), policy, budget, evict_every=evict_every,
+                   headroom=headroom, growth=growth)
+
+
+def decode(lm: LoadedModel, cache: KVCache, logits: torch.Tensor, max_new_tokens: int, eos: set[int],
+           stop: tuple[str, ...]) -> tuple[list[int], float, list[float], torch.Tensor]:
+    """Greedy tokens from `logits` on, each fed back while a decode-time policy evicts as they arrive.
+    Returns the tokens (the last one, or the end-of-sequence token, is not fed), the seconds to the first
+    token, each later step's seconds and the last logits."""
+    cache.phase = "decode"
+    clock = Stopwatch(lm.device)
+    tokens = [int(logits.argmax(-1))]
+    first_s = clock.lap()
+    step_s: list[float] = []
+    while len(tokens) < max_new_tokens and not _finished(lm, tokens, eos, stop):
+        logits = forward(lm, cache, tokens[-1:])
+        if cache.policy.evicts_during_decode:
+            cache.compress()
+        tokens.append(int(logits.argmax(-1)))
+        step_s.append(clock.lap())
+    return tokens, first_s, step_s, logits
+
+
 @torch.inference_mode()
 def generate(lm: LoadedModel, policy: Policy, context_ids: list[int], question_ids: list[int],
              settings: RunSettings, max_new_tokens: int, stop: tuple[str, ...] = (),
              eos_token_ids: set[int] | None = None, shared: SharedPrefill | None = None) -> Generation:
     """Prefill (or adopt `shared`, a prefill of the same prompt in `full` mode), compress, decode."""
     prompt_tokens = len(context_ids) + len(question_ids)
-    budget = None if not policy.phases else resolve_budget(settings.budget, prompt_tokens)
-    if policy.phases and budget is None:
-        raise KvbenchError(f"policy '{policy.name}' needs a budget")
-    if budget is not None:
-        policy.check_budget(budget)
-    policy.check_settings(chunked=settings.prefill == "chunked")
+    chunked = settings.prefill == "chunked"
+    budget = policy_budget(policy, settings, prompt_tokens, chunked)
     agnostic = settings.question == "agnostic"
     compressed = context_ids if agnostic else context_ids + question_ids
-    chunked = settings.prefill == "chunked"
     chunk = settings.prefill_chunk if chunked else len(compressed)
     # headroom: what arrives between two evictions; growth: what a cache that stopped evicting still takes
     headroom = max(settings.evict_every, chunk if chunked else 1, len(question_ids) if agnostic else 1)
     growth = max_new_tokens + (len(question_ids) if agnostic else 0)
-    cache = KVCache(lm.num_layers, (1, lm.kv_heads, lm.head_dim), policy, budget,
-                    evict_every=settings.evict_every, headroom=headroom, growth=growth)
+    cache = new_cache(lm, policy, budget, settings.evict_every, headroom, growth)
     eos = lm.eos_token_ids if eos_token_ids is None else eos_token_ids
 
     with PeakMemory(lm.device) as memory:
@@ -159,38 +192,37 @@ def generate(lm: LoadedModel, policy: Policy, context_ids: list[int], question_i
             if policy.evicts_during_decode:
                 cache.compress()
         prefill_s = clock.lap() + (shared.seconds_for(policy) if shared else 0.0)
-        tokens = [int(logits.argmax(-1))]
-        ttft_s = prefill_s + clock.lap()
-        step_s: list[float] = []
-        while len(tokens) < max_new_tokens and not _finished(lm, tokens, eos, stop):
-            logits = forward(lm, cache, tokens[-1:])
-            if policy.evicts_during_decode:
-                cache.compress()
-            tokens.append(int(logits.argmax(-1)))
-            step_s.append(clock.lap())
+        tokens, first_s, step_s, logits = decode(lm, cache, logits, max_new_tokens, eos, stop)
 
     if tokens[-1] in eos:
         tokens = tokens[:-1]
-    stats = cache.stats()
     decode_s = sum(step_s)
     measurements = {
         "prompt_tokens": prompt_tokens,
         "generated_tokens": len(step_s) + 1,
         "budget_tokens": budget,
         "budget_scope": policy.budget_scope,
-        "ttft_s": ttft_s,
+        "ttft_s": prefill_s + first_s,
         "tpot_s": statistics.median(step_s) if step_s else None,
         "prefill_tok_s": prompt_tokens / prefill_s,
         "decode_tok_s": len(step_s) / decode_s if step_s else None,
+        **cache_measurements(cache, memory, shared),
+        "prefill_shared": shared is not None,
+        **policy.report(),
+    }
+    return Generation(_cut(lm.tokenizer.decode(tokens, skip_special_tokens=True), stop), tokens, logits, measurements)
+
+
+def cache_measurements(cache: KVCache, memory: PeakMemory, shared: SharedPrefill | None = None) -> dict[str, Any]:
+    """The cache's byte accounting and the process's memory peak: the record's memory columns."""
+    stats = cache.stats()
+    return {
         **asdict(stats),
         "cache_ratio": stats.cache_ratio,
         "mem_peak_alloc": max(memory.peak_bytes, shared.mem_peak if shared else 0),
         "mem_baseline": memory.baseline_bytes,
         "mem_peak_device": None,  # NVML sampling: see the memory-pressure work
-        "prefill_shared": shared is not None,
-        **policy.report(),
     }
-    return Generation(_cut(lm.tokenizer.decode(tokens, skip_special_tokens=True), stop), tokens, logits, measurements)
 
 
 def _finished(lm: LoadedModel, tokens: list[int], eos: set[int], stop: tuple[str, ...]) -> bool:
@@ -226,7 +258,7 @@ def evaluate(lm: LoadedModel, task: Task, policy: Policy, sample: Sample, settin
              context_length: int, seed: int, shared: SharedPrefill | None = None) -> dict[str, Any]:
     """Run and score one sample: one record (a JSON-able dict)."""
     policy = dataclasses.replace(policy)  # fresh per-sample state (e.g. the random policy's generator)
-    generation = run_sample(lm, policy, sample, settings, shared)
+    generation = task.run(lm, policy, sample, settings, shared)
     return {
         "model": lm.spec,
         "task": task.describe(),
@@ -239,9 +271,8 @@ def evaluate(lm: LoadedModel, task: Task, policy: Policy, sample: Sample, settin
         "question": settings.question,
         "evict_every": settings.evict_every,
         "seed": seed,
-        "prediction": generation.prediction,
-        "references": sample.answers,
-        "scores": task.score(generation.prediction, sample),
+        **task.outcome(generation, sample),
+        "higher_is_better": task.higher_is_better,
         "meta": sample.meta,
         **generation.measurements,
     }

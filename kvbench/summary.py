@@ -84,6 +84,8 @@ def _row(cell_id: str, records: list[dict[str, Any]], status: dict[str, Any] | N
         "budget": "-" if budget is None else str(budget),
         "budget_order": (0, 0.0) if budget is None else ((1, budget) if isinstance(budget, float) else (2, budget)),
         "status": status["status"] if status else "partial",
+        # perplexity: lower is better; every other task's score: a fraction where higher is better
+        "higher_is_better": records[0].get("higher_is_better", True) if records else True,
         "n": len(values),
         "score": values.mean() if len(values) else float("nan"),
         "score_ci_low": low,
@@ -130,7 +132,8 @@ def markdown(frame: pd.DataFrame, manifest: dict[str, Any]) -> str:
              "delta = paired change vs `full` on the same samples.", ""]
     for (task, length, question, prefill), group in frame.groupby(
             ["task", "context_length", "question", "prefill"], sort=False):
-        lines += [f"## {task}, {length} tokens, question {question}, prefill {prefill}", "",
+        direction = "" if group["higher_is_better"].all() else " (score: lower is better)"
+        lines += [f"## {task}, {length} tokens, question {question}, prefill {prefill}{direction}", "",
                   "| policy | params | budget | n | score | delta vs full | cache ratio | kv peak MiB | ttft s | "
                   "tpot ms | status |",
                   "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]

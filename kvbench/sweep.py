@@ -197,7 +197,7 @@ def _run_group(lm: LoadedModel, folder: RunFolder, cells: list[Cell], done: set[
     started = {cell.id: time.perf_counter() for cell in cells}
     for sample in samples:
         todo = [c for c in cells if (c.id, sample.id) not in done and c.id not in failed]
-        shared = _shared(lm, todo, sample, first["question"]) if share else None
+        shared = _shared(lm, todo, sample, first["question"]) if share and task.shares_prefill else None
         for cell in todo:
             if interrupt.requested:
                 return False
@@ -256,8 +256,9 @@ def estimate_seconds(cells: list[Cell], parameters: int, device: torch.device, s
         d = cell.description
         task = cell_task(cell)
         samples = task.sample_count(d["samples"])
-        if not (share and _sharable(cell) and cell.group in prompts_run):
-            seconds += d["context_length"] * samples * per_token
+        prompt, decoded = task.work(d["context_length"], d["max_new_tokens"])
+        if not (share and task.shares_prefill and _sharable(cell) and cell.group in prompts_run):
+            seconds += prompt * samples * per_token
         prompts_run.add(cell.group)
-        seconds += (d["max_new_tokens"] or getattr(task, "max_new_tokens", 16)) * samples * per_token * 40
+        seconds += decoded * samples * per_token * 40
     return seconds

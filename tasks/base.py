@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from transformers import PreTrainedTokenizerBase
 
 from kvbench.errors import KvbenchError
 from kvbench.registry import Registry, declared_params
+
+if TYPE_CHECKING:
+    from kvbench.models import LoadedModel
+    from kvbench.policies.base import Policy
+    from kvbench.runner import Generation, RunSettings, SharedPrefill
 
 # Splits the rendered chat prompt into the context part and the question part (see encode_prompt).
 _SPLIT = "\x00KVBENCH-QUESTION\x00"
@@ -25,11 +30,19 @@ class Sample:
     answer_prefix: str = ""
     stop: tuple[str, ...] = ("\n",)
     meta: dict[str, Any] = field(default_factory=dict)
+    chat: bool = True  # wrap in the tokenizer's chat template, when it has one
+    separator: str = "\n\n"  # between context and question
+    token_ids: list[int] | None = None  # a task that fixes the exact tokens (perplexity) sets them
+    turns: list[dict[str, Any]] | None = None  # a conversation's user turns (dialogue)
 
 
 @dataclass
 class Task:
     name: ClassVar[str]
+    # the headline `score` of `score()`: a fraction in [0, 1] where higher is better, or (perplexity) not
+    higher_is_better: ClassVar[bool] = True
+    # a sample is one prompt and one answer, so cells of a sweep may share the prompt's forward
+    shares_prefill: ClassVar[bool] = True
 
     def samples(self, tokenizer: PreTrainedTokenizerBase, context_length: int, count: int,
                 seed: int) -> list[Sample]:
@@ -39,9 +52,25 @@ class Task:
         """How many samples `samples(..., count, ...)` makes."""
         return count
 
+    def work(self, context_length: int, max_new_tokens: int | None) -> tuple[int, int]:
+        """(prompt tokens, generated tokens) one sample costs: what a sweep's time estimate counts."""
+        return context_length, max_new_tokens or getattr(self, "max_new_tokens", 16)
+
     def score(self, prediction: str, sample: Sample) -> dict[str, float]:
         """Scores in [0, 1]; the key `score` is the headline number."""
         raise NotImplementedError
+
+    def run(self, lm: LoadedModel, policy: Policy, sample: Sample, settings: RunSettings,
+            shared: SharedPrefill | None = None) -> Generation:
+        """Run one sample under `policy`: by default prefill its prompt and generate one answer."""
+        from kvbench.runner import run_sample
+
+        return run_sample(lm, policy, sample, settings, shared)
+
+    def outcome(self, generation: Generation, sample: Sample) -> dict[str, Any]:
+        """The record's task fields: the prediction, the references and the scores (and any series)."""
+        return {"prediction": generation.prediction, "references": sample.answers,
+                "scores": self.score(generation.prediction, sample)}
 
     @classmethod
     def params(cls) -> dict[str, Any]:
@@ -59,18 +88,19 @@ build_task = TASKS.build
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, sample: Sample) -> tuple[list[int], list[int]]:
     """Token ids of (context part, question part). Their concatenation is the whole prompt; the split
     lets `question: agnostic` compress the context before the question arrives, on the same tokens."""
-    if tokenizer.chat_template:
+    if tokenizer.chat_template and sample.chat:
         rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"{sample.context}\n\n{_SPLIT}{sample.question}"}],
+            [{"role": "user", "content": f"{sample.context}{sample.separator}{_SPLIT}{sample.question}"}],
             tokenize=False,
             add_generation_prompt=True,
         )
         context_text, question_text = rendered.split(_SPLIT)
+        question_text += sample.answer_prefix
         add_special = False  # the template carries its own special tokens
     else:
-        context_text, question_text = f"{sample.context}\n\n", f"{sample.question}\n"
+        context_text = f"{sample.context}{sample.separator}"
+        question_text = f"{sample.question}\n{sample.answer_prefix}" if sample.answer_prefix else sample.question
         add_special = True
-    question_text += sample.answer_prefix
     context_ids = tokenizer(context_text, add_special_tokens=add_special).input_ids
     question_ids = tokenizer(question_text, add_special_tokens=False).input_ids
     return context_ids, question_ids

@@ -10,22 +10,9 @@ from typing import Literal
 
 from kvbench.errors import KvbenchError
 from kvbench.tasks.base import Sample, Task, check_context_length, prompt_overhead, register
-from kvbench.tasks.corpus import NOISE, load_corpus
+from kvbench.tasks.corpus import NOISE, haystack_text, load_corpus
+from kvbench.tasks.words import word_key
 
-_ADJECTIVES = (
-    "amber", "ancient", "bitter", "brave", "calm", "clever", "crimson", "curious", "distant", "eager", "faint",
-    "fierce", "gentle", "golden", "hollow", "humble", "icy", "jolly", "lively", "lucky", "misty", "modest",
-    "noble", "odd", "pale", "proud", "quiet", "rapid", "rustic", "silent", "silver", "sleepy", "solemn",
-    "steady", "swift", "tender", "tidy", "urban", "velvet", "vivid", "wary", "wild", "windy", "wise", "young",
-    "zesty",
-)
-_NOUNS = (
-    "anchor", "badger", "basket", "beacon", "canyon", "castle", "comet", "compass", "dragon", "falcon",
-    "garden", "glacier", "harbor", "helmet", "island", "jigsaw", "kettle", "lantern", "meadow", "mirror",
-    "monsoon", "nectar", "orchard", "otter", "parcel", "pepper", "pillow", "quarry", "rabbit", "river",
-    "saddle", "shadow", "sparrow", "summit", "teapot", "thistle", "timber", "tunnel", "valley", "violin",
-    "walrus", "willow", "window", "zephyr",
-)
 _WORD = re.compile(r"\w+")
 
 
@@ -57,7 +44,7 @@ class NeedleInAHaystack(Task):
         out = []
         for index in range(count):
             rng = random.Random(f"{seed}:{index}")
-            key = f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
+            key = word_key(rng)
             value = str(rng.randrange(10 ** (self.digits - 1), 10**self.digits))
             fill = {"key": key, "value": value}
             needle, question = self.needle.format(**fill), self.question.format(**fill)
@@ -66,7 +53,7 @@ class NeedleInAHaystack(Task):
             check_context_length(self.name, context_length, overhead + 16)
             haystack, offsets = self._haystack(tokenizer, context_length - overhead)
             for depth in self.depths:
-                at = _sentence_boundary(haystack, offsets, depth)
+                at = sentence_boundary(haystack, offsets, depth)
                 out.append(Sample(
                     id=f"niah-{context_length}-d{depth:g}-s{index}",
                     context=f"{haystack[:at]} {needle} {haystack[at:]}".strip(),
@@ -82,13 +69,7 @@ class NeedleInAHaystack(Task):
         return count * len(self.depths)
 
     def _haystack(self, tokenizer, tokens: int) -> tuple[str, list[int]]:
-        """Haystack text of exactly `tokens` tokens, and the end offset (chars) of each token."""
-        source = (NOISE if self.haystack == "noise" else load_corpus(self.corpus)).strip() + " "
-        chars = tokens * 12  # no tokenizer spends more characters than that on a token of English
-        text = (source * (chars // len(source) + 1))[:chars]  # a short haystack repeats
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ends = [end for _, end in encoded.offset_mapping[:tokens]]
-        return text[: ends[-1]], ends
+        return haystack_text(tokenizer, NOISE if self.haystack == "noise" else load_corpus(self.corpus), tokens)
 
     def score(self, prediction: str, sample: Sample) -> dict[str, float]:
         found = [word.lower() for word in _WORD.findall(prediction)]
@@ -98,7 +79,7 @@ class NeedleInAHaystack(Task):
         return {"score": exact, "recall": recall}
 
 
-def _sentence_boundary(text: str, token_ends: list[int], depth: float) -> int:
+def sentence_boundary(text: str, token_ends: list[int], depth: float) -> int:
     """Character index of the sentence boundary whose token position is nearest `depth`."""
     boundaries = [0] + [m.end() for m in re.finditer(r"[.!?]\s", text)] + [len(text)]
     target = depth * len(token_ends)
