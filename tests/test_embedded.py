@@ -1,19 +1,11 @@
-"""The one test on the real embedded model (SmolLM2-135M-Instruct): a needle 10% into 1024 tokens."""
+"""Tests on the real embedded model (SmolLM2-135M-Instruct): few and short."""
 
 from __future__ import annotations
 
-import pytest
-
-from kvbench.models import load_model
 from kvbench.policies import build_policy
 from kvbench.runner import RunSettings, evaluate
 from kvbench.tasks import build_task
 from tests.conftest import needs_embedded
-
-
-@pytest.fixture(scope="module")
-def smollm():
-    return load_model("smollm2-135m", dtype="float32", device="cpu")
 
 
 @needs_embedded

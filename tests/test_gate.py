@@ -27,6 +27,7 @@ def make_run(path: Path, cells: dict[str, dict], config_hash: str = "h1") -> Pat
                 "cell_id": cell_id, "cell": cell, "sample_id": f"s{index}", "scores": {"score": score},
                 "prediction": spec.get("prediction", "123"), "kv_bytes_peak": spec.get("kv_peak", 1000),
                 "cache_ratio": 0.5, "decode_tok_s": spec.get("decode_tok_s", 100.0), "prefill_tok_s": 1000.0,
+                "higher_is_better": spec.get("higher_is_better", True),
             })
         folder.add_cell({"cell_id": cell_id, "cell": cell, "status": "ok"})
     return path
@@ -114,3 +115,35 @@ def test_bad_gate_input(tmp_path, args, culprit):
 def test_a_baseline_from_another_config_is_a_clear_error(tmp_path):
     result = run_gate(tmp_path, cells(), cells(), run_hash="other")
     assert result.exit_code == 2 and "another config" in result.output
+
+
+def test_a_perplexity_rise_is_a_drop():
+    from kvbench.gate import improvement
+
+    assert improvement(0.5, 0.4, higher_is_better=True) == pytest.approx(-10)  # points of a fraction
+    assert improvement(10.0, 10.5, higher_is_better=False) == pytest.approx(-5)  # perplexity +5%
+    assert improvement(10.0, 9.0, higher_is_better=False) == pytest.approx(10)
+
+
+def test_gate_fails_a_perplexity_that_rises(tmp_path):
+    ppl = {"full": {"policy": "full", "scores": [10.0] * 8, "higher_is_better": False},
+           "win": {"policy": "window", "budget": 64, "scores": [12.0] * 8, "higher_is_better": False}}
+    worse = {**ppl, "win": {**ppl["win"], "scores": [13.0] * 8}}
+    assert run_gate(tmp_path / "same", ppl, ppl).exit_code == 0
+    result = run_gate(tmp_path / "worse", ppl, worse)
+    assert result.exit_code == 1 and "-8.3" in result.output and "1 of 2 cells failed" in result.output
+    better = {**ppl, "win": {**ppl["win"], "scores": [11.0] * 8}}
+    assert run_gate(tmp_path / "better", ppl, better).exit_code == 0
+
+
+def test_recommend_reads_perplexity_the_right_way_round(tmp_path):
+    from kvbench.report import recommend
+    from kvbench.summary import summarize
+
+    close = {"full": {"policy": "full", "scores": [10.0, 10.2] * 4, "higher_is_better": False},
+             "win": {"policy": "window", "budget": 64, "scores": [10.05, 10.25] * 4, "higher_is_better": False}}
+    choice = recommend(summarize(make_run(tmp_path / "close", close), write=False), max_drop=1).iloc[0]
+    assert choice["policy"] == "window"  # perplexity +0.5%: within 1 point
+    far = {**close, "win": {**close["win"], "scores": [11.0, 11.2] * 4}}
+    choice = recommend(summarize(make_run(tmp_path / "far", far), write=False), max_drop=1).iloc[0]
+    assert choice["policy"] is None  # +10%

@@ -306,3 +306,26 @@ def test_shipped_configs_validate(name):
 def test_ci_config_runs_on_a_random_model(tmp_path):
     sweep(ROOT / "configs" / "ci.yaml", tmp_path / "ci")
     assert {s["status"] for s in RunFolder(tmp_path / "ci").cells().values()} == {"ok"}
+
+
+def test_every_task_family_runs_in_a_sweep(tmp_path):
+    (tmp_path / "lb").mkdir()
+    (tmp_path / "lb" / "trec.jsonl").write_text(json.dumps({
+        "input": "Question: Who ?\nType:", "context": "Question: Where ?\nType: City\n" * 30, "answers": ["City"],
+        "length": 300, "dataset": "trec", "language": "en", "all_classes": ["City"], "_id": "t0"}) + "\n")
+    config = {**TINY, "policies": ["full", "window"], "budgets": [0.5], "context_lengths": [900], "samples": 1,
+              "tasks": [{"name": "perplexity", "chunk": 32}, {"name": "ruler", "subtasks": ["vt", "fwe"]},
+                        {"name": "dialogue", "facts": 2, "passage_tokens": 100, "reply_tokens": 4},
+                        {"name": "longbench", "datasets": ["trec"], "data_dir": str(tmp_path / "lb")}]}
+    sweep(write_config(tmp_path, config), tmp_path / "run")
+    frame = summarize(tmp_path / "run")
+    assert set(frame["task"]) == {"perplexity", "ruler", "dialogue", "longbench"} and (frame["status"] == "ok").all()
+    assert frame.groupby("task")["higher_is_better"].all().to_dict()["perplexity"] is False
+    assert {"score_ppl_past_budget", "score_vt", "score_fwe", "score_trec"} <= set(frame.columns)
+    window_ppl = frame[(frame["task"] == "perplexity") & (frame["policy"] == "window")].iloc[0]
+    assert window_ppl["score"] > 1 and not pd.isna(window_ppl["delta_vs_full"])
+    assert "perplexity, 900 tokens, question aware, prefill full (score: lower is better)" in (
+        tmp_path / "run" / "summary.md").read_text()
+    records = RunFolder(tmp_path / "run").records()
+    assert all(len(r["nll_by_position"]) == 899 for r in records if r["task"]["name"] == "perplexity")
+    assert all(r["prompt_tokens"] > 0 and "references" in r for r in records)
