@@ -49,6 +49,10 @@ class NamedSpec(BaseModel):
         return {"name": self.name, "params": dict(sorted(self.params.items()))}
 
 
+class TaskSpec(NamedSpec):
+    samples: int | None = Field(None, gt=0)  # this task's samples, instead of the sweep's
+
+
 def _named(value: Any) -> Any:
     return {"name": value} if isinstance(value, str) else value
 
@@ -59,7 +63,7 @@ class SweepConfig(Strict):
     policies: list[NamedSpec] = Field(min_length=1)
     budgets: list[int | float] = Field(min_length=1)
     context_lengths: list[int] = Field(min_length=1)
-    tasks: list[NamedSpec] = Field(min_length=1)
+    tasks: list[TaskSpec] = Field(min_length=1)
     prefill: PrefillConfig = PrefillConfig()
     question: list[Literal["aware", "agnostic"]] = ["aware"]
     samples: int = Field(3, gt=0)

@@ -78,7 +78,7 @@ def expand(config: SweepConfig) -> list[Cell]:
                             "prefill": {"mode": config.prefill.mode,
                                         "chunk": config.prefill.chunk if config.prefill.mode == "chunked" else None},
                             "question": question,
-                            "samples": config.samples,
+                            "samples": task.samples or config.samples,
                             "seed": config.seed,
                             "evict_every": config.evict_every,
                             "max_new_tokens": config.max_new_tokens,

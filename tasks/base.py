@@ -54,7 +54,7 @@ class Task:
 
     def work(self, context_length: int, max_new_tokens: int | None) -> tuple[int, int]:
         """(prompt tokens, generated tokens) one sample costs: what a sweep's time estimate counts."""
-        return context_length, max_new_tokens or getattr(self, "max_new_tokens", 16)
+        return context_length, max_new_tokens or getattr(self, "max_new_tokens", None) or 16
 
     def score(self, prediction: str, sample: Sample) -> dict[str, float]:
         """Scores in [0, 1]; the key `score` is the headline number."""

@@ -74,6 +74,7 @@ class Ruler(Task):
     vt_hops: int = 4
     cwe_words: int = 10
     fwe_alpha: float = 2.0
+    max_new_tokens: int | None = None  # RULER's per subtask (niah 128, vt 30, cwe 120, fwe 50)
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.subtasks if s not in SUBTASKS]
@@ -98,9 +99,14 @@ class Ruler(Task):
                     return build(subtask, rng, tokenizer, size, context_length)
                 sample = _fit(tokenizer, make, context_length, subtask)
                 sample.id = f"ruler-{subtask}-{context_length}-s{index}"
+                sample.max_new_tokens = self.max_new_tokens or sample.max_new_tokens
                 sample.meta["subtask"] = subtask
                 out.append(sample)
         return out
+
+    def work(self, context_length: int, max_new_tokens: int | None) -> tuple[int, int]:
+        limits = [_MAX_NEW_TOKENS[s.split("_")[0]] for s in self.subtasks]
+        return context_length, max_new_tokens or self.max_new_tokens or round(sum(limits) / len(limits))
 
     def score(self, prediction: str, sample: Sample) -> dict[str, float]:
         value = string_match_all(prediction, sample.answers)
