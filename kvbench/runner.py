@@ -196,21 +196,27 @@ def generate(lm: LoadedModel, policy: Policy, context_ids: list[int], question_i
 
     if tokens[-1] in eos:
         tokens = tokens[:-1]
-    decode_s = sum(step_s)
     measurements = {
-        "prompt_tokens": prompt_tokens,
-        "generated_tokens": len(step_s) + 1,
+        **timings(prompt_tokens, prefill_s, prefill_s + first_s, step_s),
         "budget_tokens": budget,
         "budget_scope": policy.budget_scope,
-        "ttft_s": prefill_s + first_s,
-        "tpot_s": statistics.median(step_s) if step_s else None,
-        "prefill_tok_s": prompt_tokens / prefill_s,
-        "decode_tok_s": len(step_s) / decode_s if step_s else None,
         **cache_measurements(cache, memory, shared),
-        "prefill_shared": shared is not None,
         **policy.report(),
     }
     return Generation(_cut(lm.tokenizer.decode(tokens, skip_special_tokens=True), stop), tokens, logits, measurements)
+
+
+def timings(prompt_tokens: int, prefill_s: float, ttft_s: float | None, step_s: list[float],
+            generated_tokens: int | None = None) -> dict[str, Any]:
+    """The record's speed columns; `step_s` are the decode steps after the first token."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": len(step_s) + 1 if generated_tokens is None else generated_tokens,
+        "ttft_s": ttft_s,
+        "tpot_s": statistics.median(step_s) if step_s else None,
+        "prefill_tok_s": prompt_tokens / prefill_s,
+        "decode_tok_s": len(step_s) / sum(step_s) if step_s else None,
+    }
 
 
 def cache_measurements(cache: KVCache, memory: PeakMemory, shared: SharedPrefill | None = None) -> dict[str, Any]:
@@ -222,6 +228,7 @@ def cache_measurements(cache: KVCache, memory: PeakMemory, shared: SharedPrefill
         "mem_peak_alloc": max(memory.peak_bytes, shared.mem_peak if shared else 0),
         "mem_baseline": memory.baseline_bytes,
         "mem_peak_device": None,  # NVML sampling: see the memory-pressure work
+        "prefill_shared": shared is not None,
     }
 
 

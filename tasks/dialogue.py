@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import random
 import re
-import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,7 +107,7 @@ class Dialogue(Task):
 
     def run(self, lm, policy, sample, settings, shared=None):
         from kvbench.measure import PeakMemory, Stopwatch
-        from kvbench.runner import Generation, cache_measurements, decode, forward, new_cache, policy_budget
+        from kvbench.runner import Generation, cache_measurements, decode, forward, new_cache, policy_budget, timings
 
         template = _turn_template(lm.tokenizer)
         turn_ids = [lm.tokenizer(template.user(turn["text"], first=i == 0), add_special_tokens=False).input_ids
@@ -149,16 +148,10 @@ class Dialogue(Task):
             questions.append({"question": fact["question"], "expected": fact["value"], "answer": answers[index],
                               "correct": correct, "distance": asked_at[index] - fact_at[index]})
         measurements = {
-            "prompt_tokens": user_tokens,
-            "generated_tokens": len(step_s) + len(sample.turns),
+            **timings(user_tokens, prefill_s, first_s, step_s, generated_tokens=len(step_s) + len(sample.turns)),
             "budget_tokens": budget,
             "budget_scope": policy.budget_scope,
-            "ttft_s": first_s,
-            "tpot_s": statistics.median(step_s) if step_s else None,
-            "prefill_tok_s": user_tokens / prefill_s,
-            "decode_tok_s": len(step_s) / sum(step_s) if step_s else None,
             **cache_measurements(cache, memory),
-            "prefill_shared": False,
             **policy.report(),
         }
         prediction = " | ".join(answers[i] for i in range(len(sample.meta["facts"])))

@@ -66,13 +66,13 @@ class Perplexity(Task):
 
     def run(self, lm, policy, sample, settings, shared=None):
         from kvbench.measure import PeakMemory, Stopwatch
-        from kvbench.runner import Generation, cache_measurements, forward, new_cache, policy_budget
+        from kvbench.runner import Generation, cache_measurements, forward, new_cache, policy_budget, timings
 
         ids = sample.token_ids
         step = 1 if self.mode == "exact" else self.chunk
         budget = policy_budget(policy, settings, len(ids), chunked=True)
         cache = new_cache(lm, policy, budget, headroom=step, growth=max(step, 256))
-        nll = []
+        nll, step_s = [], []
         with torch.inference_mode(), PeakMemory(lm.device) as memory:
             clock = Stopwatch(lm.device)
             for start in range(0, len(ids) - 1, step):
@@ -81,19 +81,14 @@ class Perplexity(Task):
                 logits = forward(lm, cache, piece, all_logits=True)
                 nll.append(torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none"))
                 cache.compress()
-            seconds = clock.lap()
+                step_s.append(clock.lap())
         nll_by_position = torch.cat(nll).tolist()
         measurements = {
-            "prompt_tokens": len(ids),
-            "generated_tokens": 0,
+            # every token is read as prompt; `exact` times each one-token step as a decode step
+            **timings(len(ids) - 1, sum(step_s), None, step_s if self.mode == "exact" else [], generated_tokens=0),
             "budget_tokens": budget,
-            "budget_scope": "prefill" if policy.phases else "none",
-            "ttft_s": None,
-            "tpot_s": seconds / math.ceil((len(ids) - 1) / step) if self.mode == "exact" else None,
-            "prefill_tok_s": (len(ids) - 1) / seconds,
-            "decode_tok_s": None,
+            "budget_scope": "prefill" if policy.phases else "none",  # the cache compresses after every step
             **cache_measurements(cache, memory),
-            "prefill_shared": False,
             **policy.report(),
         }
         return Generation("", [], logits[-1:], measurements, extra={"nll_by_position": nll_by_position})
