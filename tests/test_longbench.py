@@ -106,3 +106,21 @@ def test_real_rows_end_to_end(tiny_llama):
                           1500, seed=0)
         assert record["prompt_tokens"] <= 1502 and 0.0 <= record["scores"]["score"] <= 1.0
         assert record["references"] == sample.answers and record["cache_ratio"] < 0.5
+
+
+def test_rows_from_the_hub_through_datasets(monkeypatch):
+    import sys
+    import types
+
+    from kvbench.tasks import longbench
+
+    calls = []
+    row = {"input": "Who?", "context": "Anne did.", "answers": ["Anne"], "length": 9000, "_id": "x"}
+    fake = types.ModuleType("datasets")
+    fake.load_dataset = lambda hub, name, split: calls.append((hub, name, split)) or [row]
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    longbench._hub_rows.cache_clear()
+    task = build_task("longbench", {"datasets": ["hotpotqa"], "e": True})
+    sample = task.samples(byte_tokenizer(), 900, 1, 0)[0]
+    assert calls == [("Xnhyacinth/LongBench", "hotpotqa_e", "test")] and sample.meta["bucket"] == "8k+"
+    longbench._hub_rows.cache_clear()
