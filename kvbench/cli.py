@@ -525,6 +525,41 @@ def gate_command(
         raise typer.Exit(1)
 
 
+@app.command(name="estimate")
+@user_errors
+def estimate_command(
+    model: str = typer.Argument(..., help="A built-in shape (llama-2-70b, llama-3.1-8b, mistral-7b, qwen2.5-7b, "
+                                           "smollm2-135m, ...), random:<shape>, a local folder or a hub id."),
+    context: list[int] = typer.Option([4096], "--context", "-c", help="Context length in tokens; repeatable."),
+    batch: list[int] = typer.Option([1], "--batch", help="Sequences in the batch; repeatable."),
+    dtype: list[str] = typer.Option(["bfloat16"], "--dtype", help="KV and weight dtype; repeatable."),
+    budget: list[str] = typer.Option([], "--budget", "-b", help="Tokens per layer and KV head or a ratio; "
+                                                                  "repeatable (the full cache is always shown)."),
+    device_memory: str | None = typer.Option(None, "--device-memory", help="e.g. 80GiB: warn where cache plus "
+                                                                             "weights do not fit."),
+) -> None:
+    """KV-cache memory of a model at given lengths, batches, dtypes and budgets, without loading it."""
+    from kvbench.estimate import estimate, model_shape, parse_bytes
+
+    shape = model_shape(model)
+    limit = None if device_memory is None else parse_bytes(device_memory)
+    rows = estimate(shape, context, batch, dtype, [None, *(parse_budget(b) for b in budget)], limit)
+    table = Table(title=f"{model}: {shape.layers} layers x {shape.kv_heads} KV heads x head_dim {shape.head_dim}"
+                  + ("" if shape.parameters is None else f", {shape.parameters / 1e9:.2f}B parameters"))
+    for column in ("context", "batch", "dtype", "budget", "per token", "KV cache", "+ weights", "fits"):
+        table.add_column(column, justify="left" if column in ("dtype", "budget") else "right")
+    for r in rows:
+        total = "?" if r["total_bytes"] is None else human_bytes(r["total_bytes"])
+        fits = "" if r["fits"] is None else ("yes" if r["fits"] else "NO")
+        table.add_row(str(r["context"]), str(r["batch"]), r["dtype"], "full" if r["budget"] is None else
+                      str(r["budget"]), human_bytes(r["bytes_per_token"]), human_bytes(r["cache_bytes"]), total, fits)
+    stdout.print(table)
+    over = [r for r in rows if r["fits"] is False]
+    if over:
+        stderr.print(f"warning: {len(over)} of {len(rows)} settings need more than {device_memory} "
+                     "(weights + KV cache, before activations)")
+
+
 def _listing(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
     table = Table(title=title)
     for column in columns:

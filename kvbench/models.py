@@ -175,10 +175,15 @@ def count_parameters(spec: str) -> int | None:
             return None
         else:
             config = AutoConfig.from_pretrained(_local_source(spec), local_files_only=True)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        return config_parameters(config)
     except (KvbenchError, OSError, ValueError):
         return None
+
+
+def config_parameters(config: Any) -> int:
+    """Parameters of the model a config describes, counted on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
     return sum(p.numel() for p in model.parameters())
 
 

@@ -1,0 +1,102 @@
+"""What a KV cache costs before running anything: 2 x layers x kv_heads x head_dim x tokens x batch x
+bytes, full and under a budget, beside the weights, against a device's memory."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from kvbench.errors import KvbenchError
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "int8": 1, "int4": 0.5}
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    parameters: int | None = None  # for the weights' bytes; None when unknown
+
+    def bytes_per_token(self, dtype_bytes: float) -> float:
+        """K and V of one token in every layer and KV head (GQA: kv_heads, not attention heads)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+
+# (layers, KV heads, head_dim, parameters) from each model's config.json
+SHAPES: dict[str, Shape] = {
+    "llama-2-7b": Shape(32, 32, 128, 6_738_415_616),
+    "llama-2-13b": Shape(40, 40, 128, 13_015_864_320),
+    "llama-2-70b": Shape(80, 8, 128, 68_976_648_192),
+    "llama-3-8b": Shape(32, 8, 128, 8_030_261_248),
+    "llama-3.1-8b": Shape(32, 8, 128, 8_030_261_248),
+    "llama-3-70b": Shape(80, 8, 128, 70_553_706_496),
+    "llama-3.1-70b": Shape(80, 8, 128, 70_553_706_496),
+    "mistral-7b": Shape(32, 8, 128, 7_241_732_096),
+    "qwen2.5-7b": Shape(28, 4, 128, 7_615_616_512),
+    "smollm2-135m": Shape(30, 3, 64, 134_515_008),
+    "smollm2-1.7b": Shape(24, 32, 64, 1_711_376_384),
+}
+
+
+def model_shape(model: str) -> Shape:
+    """A name of the built-in table, `random:<shape>`, a local folder, a GGUF file or a hub id (config only)."""
+    if model.lower() in SHAPES:
+        return SHAPES[model.lower()]
+    from transformers import AutoConfig
+
+    from kvbench.models import _local_source, _random_config, config_parameters
+
+    if model.startswith("random:"):
+        config = _random_config(model.removeprefix("random:"))
+    else:
+        try:
+            config = AutoConfig.from_pretrained(_local_source(model))
+        except OSError as exc:  # not a folder, not on the hub, offline
+            raise KvbenchError(f"model '{model}': no config found (not in the built-in table, not a folder, "
+                               f"not reachable on the hub): {str(exc).splitlines()[0]}") from None
+    heads = config.num_attention_heads
+    return Shape(config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads,
+                 getattr(config, "head_dim", None) or config.hidden_size // heads, config_parameters(config))
+
+
+def parse_bytes(text: str) -> int:
+    """`80GiB`, `24 GB`, `8e9`: bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise KvbenchError(f"'{text}' is not a memory size (e.g. 80GiB, 24GB, 8e9)")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def estimate(shape: Shape, contexts: list[int], batches: list[int], dtypes: list[str],
+             budgets: list[int | float | None], device_memory: int | None = None) -> list[dict[str, Any]]:
+    """One row per (context, batch, dtype, budget): bytes per token, the full and budgeted cache, and
+    whether cache plus weights (in the same dtype) fit `device_memory`."""
+    unknown = [d for d in dtypes if d not in DTYPE_BYTES]
+    if unknown:
+        raise KvbenchError(f"unknown dtype '{unknown[0]}' (use {', '.join(DTYPE_BYTES)})")
+    rows = []
+    for dtype in dtypes:
+        per_token = shape.bytes_per_token(DTYPE_BYTES[dtype])
+        weights = None if shape.parameters is None else shape.parameters * DTYPE_BYTES[dtype]
+        for context in contexts:
+            for batch in batches:
+                for budget in budgets:
+                    kept = context if budget is None else min(context, _tokens(budget, context))
+                    cache = per_token * kept * batch
+                    total = None if weights is None else weights + cache
+                    rows.append({
+                        "context": context, "batch": batch, "dtype": dtype, "budget": budget,
+                        "bytes_per_token": per_token, "full_cache_bytes": per_token * context * batch,
+                        "cache_bytes": cache, "weights_bytes": weights, "total_bytes": total,
+                        "fits": None if device_memory is None or total is None else total <= device_memory,
+                    })
+    return rows
+
+
+def _tokens(budget: int | float, context: int) -> int:
+    return max(1, round(budget * context)) if isinstance(budget, float) and budget <= 1 else int(budget)

@@ -1,0 +1,53 @@
+"""`kvbench estimate`: the KV-cache formula, GQA and MHA, budgets, and the built-in shapes."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from kvbench.cli import app
+from kvbench.errors import KvbenchError
+from kvbench.estimate import SHAPES, estimate, model_shape, parse_bytes
+
+runner = CliRunner()
+
+
+def test_the_formula_for_gqa_and_mha():
+    # Llama-2-70B (GQA, 8 KV heads): 2 x 80 layers x 8 x 128 x 4096 tokens x 2 bytes
+    (row,) = estimate(SHAPES["llama-2-70b"], [4096], [1], ["bfloat16"], [None])
+    assert row["bytes_per_token"] == 2 * 80 * 8 * 128 * 2 == 327_680
+    assert row["cache_bytes"] == row["full_cache_bytes"] == 1_342_177_280
+    # Llama-2-7B (MHA, 32 KV heads), batch 8, float32, and two budgets
+    full, ratio, tokens, roomy = estimate(SHAPES["llama-2-7b"], [2000], [8], ["float32"], [None, 0.25, 512, 9000])
+    assert full["cache_bytes"] == 2 * 32 * 32 * 128 * 2000 * 8 * 4
+    assert ratio["cache_bytes"] == 2 * 32 * 32 * 128 * 500 * 8 * 4
+    assert tokens["cache_bytes"] == 2 * 32 * 32 * 128 * 512 * 8 * 4
+    assert roomy["cache_bytes"] == full["cache_bytes"]  # a budget above the context keeps everything
+    qwen = estimate(SHAPES["qwen2.5-7b"], [32768], [1], ["float16"], [None])[0]
+    assert qwen["cache_bytes"] == 2 * 28 * 4 * 128 * 32768 * 2
+
+
+@pytest.mark.parametrize("name", ["llama-2-7b", "llama-3-8b", "qwen2.5-7b", "smollm2-135m"])
+def test_built_in_shapes_match_the_configs(name):
+    assert model_shape(name) == model_shape(f"random:{name}")  # parameters counted on the meta device
+
+
+def test_device_memory_and_bad_input():
+    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("24 GB") == 24_000_000_000 and parse_bytes("8e9") == 8e9
+    rows = estimate(SHAPES["llama-2-70b"], [4096], [1], ["bfloat16"], [None], device_memory=parse_bytes("80GiB"))
+    assert rows[0]["fits"] is False and rows[0]["total_bytes"] == 68_976_648_192 * 2 + 1_342_177_280
+    with pytest.raises(KvbenchError, match="memory size"):
+        parse_bytes("lots")
+    with pytest.raises(KvbenchError, match="unknown dtype 'fp7'"):
+        estimate(SHAPES["llama-2-7b"], [1], [1], ["fp7"], [None])
+
+
+def test_cli():
+    result = runner.invoke(app, ["estimate", "llama-2-70b", "--context", "4096", "--dtype", "bfloat16",
+                                 "--budget", "0.25", "--device-memory", "160GiB"])
+    assert result.exit_code == 0, result.output
+    assert "320.0 KiB" in result.output and "1.2 GiB" in result.output and "320.0 MiB" in result.output
+    small = runner.invoke(app, ["estimate", "llama-2-70b", "--device-memory", "80GiB"])
+    assert small.exit_code == 0 and "NO" in small.output and "warning" in small.output
+    bad = runner.invoke(app, ["estimate", "llama-2-7b", "--dtype", "fp7"])
+    assert bad.exit_code == 2 and "unknown dtype 'fp7'" in bad.output
