@@ -274,6 +274,8 @@ def sweep(
                                "sample (default), or run every cell alone."),
     retry_failed: bool = typer.Option(False, "--retry-failed", help="Run again the cells recorded as error/oom."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar (for CI logs)."),
+    trace: bool = typer.Option(False, "--trace", help="Save each sample's memory time series (NVML on a GPU, "
+                               "RSS on CPU) in RUN/traces/<cell>.jsonl."),
     plugins: str | None = PLUGINS,
 ) -> None:
     """Run a grid of policies x budgets x context lengths x tasks into a resumable run folder."""
@@ -305,7 +307,7 @@ def sweep(
     else:
         lm = load_model(cfg.model.id, dtype=cfg.model.dtype, device=cfg.model.device,
                         device_map=cfg.model.device_map, seed=cfg.seed)
-        completed = _run(cfg, cells, lm, folder, shard_spec, force, quiet, share, retry_failed)
+        completed = _run(cfg, cells, lm, folder, shard_spec, force, quiet, share, retry_failed, trace)
     frame = summarize(folder.path)
     if not quiet and not frame.empty:
         stdout.print(sweep_table(frame, cfg.name))
@@ -315,7 +317,8 @@ def sweep(
         raise typer.Exit(130)
 
 
-def _run(cfg, cells, lm, folder, shard_spec, force: bool, quiet: bool, share: bool, retry_failed: bool) -> bool:
+def _run(cfg, cells, lm, folder, shard_spec, force: bool, quiet: bool, share: bool, retry_failed: bool,
+         trace: bool) -> bool:
     """Open the run folder and run the sweep with a progress bar; False if interrupted."""
     from kvbench.results import now
     from kvbench.sweep import Progress, manifest, run_sweep, sample_total
@@ -333,7 +336,7 @@ def _run(cfg, cells, lm, folder, shard_spec, force: bool, quiet: bool, share: bo
                 stderr.print(f"[yellow]cell failed:[/] {progress.log.pop(0)}", highlight=False)
 
         completed = run_sweep(lm, folder, cells, Progress(len(cells), sample_total(cells), update), share=share,
-                              retry_failed=retry_failed)
+                              retry_failed=retry_failed, trace=trace)
     folder.write_manifest({**(folder.manifest() or run_manifest), "finished": now() if completed else None})
     return completed
 

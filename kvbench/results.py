@@ -149,6 +149,11 @@ class RunFolder:
     def add_record(self, record: dict[str, Any]) -> None:
         append_jsonl(self.records_path, record)
 
+    def add_trace(self, cell_id: str, sample_id: str, traces: list[dict[str, Any]]) -> None:
+        """A sample's memory time series (`--trace`), one JSON line per sample in traces/<cell>.jsonl."""
+        (self.path / "traces").mkdir(exist_ok=True)
+        append_jsonl(self.path / "traces" / f"{cell_id}.jsonl", {"sample_id": sample_id, "traces": traces})
+
     def add_cell(self, status: dict[str, Any]) -> None:
         append_jsonl(self.cells_path, status)
 

@@ -101,7 +101,7 @@ class SharedPrefill:
     cache: KVCache
     logits: torch.Tensor
     seconds: float
-    mem_peak: int
+    memory: PeakMemory
 
     def seconds_for(self, policy: Policy) -> float:
         """The forward's time without the other policies' statistics: what `policy` alone would have spent."""
@@ -119,7 +119,7 @@ def shared_prefill(lm: LoadedModel, ids: list[int], observers: list[Policy]) -> 
         clock = Stopwatch(lm.device)
         logits = forward(lm, cache, ids)
         seconds = clock.lap()
-    return SharedPrefill(cache, logits, seconds, memory.peak_bytes)
+    return SharedPrefill(cache, logits, seconds, memory)
 
 
 def policy_budget(policy: Policy, settings: RunSettings, prompt_tokens: int, chunked: bool) -> int | None:
@@ -225,11 +225,19 @@ def cache_measurements(cache: KVCache, memory: PeakMemory, shared: SharedPrefill
     return {
         **asdict(stats),
         "cache_ratio": stats.cache_ratio,
-        "mem_peak_alloc": max(memory.peak_bytes, shared.mem_peak if shared else 0),
+        # a cell that adopted a shared prefill peaked at least where that forward did
+        "mem_peak_alloc": _peak(memory, shared, "peak_bytes"),
+        "mem_peak_reserved": _peak(memory, shared, "peak_reserved"),
+        "mem_peak_device": _peak(memory, shared, "peak_device"),
         "mem_baseline": memory.baseline_bytes,
-        "mem_peak_device": None,  # NVML sampling: see the memory-pressure work
+        "mem_device_note": memory.device_note,
         "prefill_shared": shared is not None,
     }
+
+
+def _peak(memory: PeakMemory, shared: SharedPrefill | None, name: str) -> int | None:
+    values = [v for v in (getattr(memory, name), getattr(shared.memory, name) if shared else None) if v is not None]
+    return max(values) if values else None
 
 
 def _finished(lm: LoadedModel, tokens: list[int], eos: set[int], stop: tuple[str, ...]) -> bool:

@@ -8,6 +8,7 @@ compression happens during the prompt, run it themselves.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import signal
@@ -20,6 +21,7 @@ import torch
 
 from kvbench.config import SweepConfig
 from kvbench.errors import KvbenchError
+from kvbench.measure import tracing
 from kvbench.models import LoadedModel
 from kvbench.policies import POLICIES, Policy
 from kvbench.results import RunFolder, environment, now
@@ -163,7 +165,7 @@ def finished_cells(folder: RunFolder, retry_failed: bool) -> set[str]:
 
 
 def run_sweep(lm: LoadedModel, folder: RunFolder, cells: list[Cell], progress: Progress, share: bool = True,
-              retry_failed: bool = False) -> bool:
+              retry_failed: bool = False, trace: bool = False) -> bool:
     """Run every unfinished (cell, sample) into `folder`; True if it completed, False if interrupted."""
     done = folder.done()
     finished = finished_cells(folder, retry_failed)
@@ -176,13 +178,13 @@ def run_sweep(lm: LoadedModel, folder: RunFolder, cells: list[Cell], progress: P
         groups.setdefault(cell.group, []).append(cell)
     with Interrupt() as interrupt:
         for group in groups.values():
-            if not _run_group(lm, folder, group, done, progress, share, interrupt):
+            if not _run_group(lm, folder, group, done, progress, share, interrupt, trace):
                 return False
     return True
 
 
 def _run_group(lm: LoadedModel, folder: RunFolder, cells: list[Cell], done: set[tuple[str, str]],
-               progress: Progress, share: bool, interrupt: Interrupt) -> bool:
+               progress: Progress, share: bool, interrupt: Interrupt, trace: bool) -> bool:
     first = cells[0].description
     failed: dict[str, dict[str, Any]] = {}
     try:
@@ -204,8 +206,10 @@ def _run_group(lm: LoadedModel, folder: RunFolder, cells: list[Cell], done: set[
             progress.current = f"{cell.label} {sample.id}"
             progress.update(progress)
             try:
-                record = evaluate(lm, task, cell.policy(), sample, cell.settings(), cell.description["context_length"],
-                                  cell.description["seed"], shared=shared if _sharable(cell) else None)
+                with tracing() if trace else contextlib.nullcontext() as traces:
+                    record = evaluate(lm, task, cell.policy(), sample, cell.settings(),
+                                      cell.description["context_length"], cell.description["seed"],
+                                      shared=shared if _sharable(cell) else None)
             except Exception as exc:  # one failing cell never stops the sweep
                 failed[cell.id] = _failure(cell, exc)
                 folder.add_cell(failed[cell.id])
@@ -213,6 +217,8 @@ def _run_group(lm: LoadedModel, folder: RunFolder, cells: list[Cell], done: set[
                 progress.cells_done += 1
                 continue
             folder.add_record({"cell_id": cell.id, "cell": cell.description, **record})
+            if trace:
+                folder.add_trace(cell.id, sample.id, traces)
             progress.samples_done += 1
             progress.update(progress)
         del shared

@@ -329,3 +329,13 @@ def test_every_task_family_runs_in_a_sweep(tmp_path):
     records = RunFolder(tmp_path / "run").records()
     assert all(len(r["nll_by_position"]) == 899 for r in records if r["task"]["name"] == "perplexity")
     assert all(r["prompt_tokens"] > 0 and "references" in r for r in records)
+
+
+def test_trace_saves_each_samples_memory_series(tmp_path):
+    config = {**TINY, "policies": ["full", "window"], "budgets": [32], "samples": 1}
+    sweep(write_config(tmp_path, config), tmp_path / "run", "--trace")
+    traces = sorted((tmp_path / "run" / "traces").glob("*.jsonl"))
+    assert len(traces) == 2
+    line = json.loads(traces[0].read_text().splitlines()[0])
+    assert line["sample_id"].startswith("niah-") and line["traces"][0]["columns"] == ["seconds", "bytes"]
+    assert len(line["traces"][0]["rows"]) >= 2
