@@ -133,6 +133,10 @@ class SweepConfig(Strict):
         relevant = self.model_dump(exclude={"output", "name"})
         relevant["model"].pop("device")
         relevant["model"].pop("device_map")
+        # options added later count only when set, so older configs keep their hash (and their baselines)
+        for task in relevant["tasks"]:
+            if task["samples"] is None:
+                del task["samples"]
         return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

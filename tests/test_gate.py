@@ -147,3 +147,13 @@ def test_recommend_reads_perplexity_the_right_way_round(tmp_path):
     far = {**close, "win": {**close["win"], "scores": [11.0, 11.2] * 4}}
     choice = recommend(summarize(make_run(tmp_path / "far", far), write=False), max_drop=1).iloc[0]
     assert choice["policy"] is None  # +10%
+
+
+def test_the_committed_baseline_matches_the_gate_config():
+    import json
+
+    from kvbench.config import load_config
+
+    root = Path(__file__).resolve().parent.parent
+    baseline = json.loads((root / "baselines" / "gate.json").read_text())
+    assert load_config(root / "configs" / "gate.yaml").result_hash() == baseline["config_hash"]
