@@ -49,6 +49,13 @@ class NamedSpec(BaseModel):
         return {"name": self.name, "params": dict(sorted(self.params.items()))}
 
 
+class TimingConfig(Strict):
+    """Speed cells: each sample runs `warmup` times unmeasured, then `repeats` times; records keep the median."""
+
+    warmup: int = Field(1, ge=0)
+    repeats: int = Field(3, ge=1)
+
+
 class TaskSpec(NamedSpec):
     samples: int | None = Field(None, gt=0)  # this task's samples, instead of the sweep's
 
@@ -70,6 +77,7 @@ class SweepConfig(Strict):
     seed: int = 0
     evict_every: int = Field(1, gt=0)
     max_new_tokens: int | None = Field(None, gt=0)
+    timing: TimingConfig | None = None
     output: str | None = None
 
     @field_validator("model", mode="before")
@@ -137,6 +145,9 @@ class SweepConfig(Strict):
         for task in relevant["tasks"]:
             if task["samples"] is None:
                 del task["samples"]
+        for key in ("timing",):
+            if relevant[key] is None:
+                del relevant[key]
         return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

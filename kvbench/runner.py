@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -217,6 +218,25 @@ def timings(prompt_tokens: int, prefill_s: float, ttft_s: float | None, step_s: 
         "prefill_tok_s": prompt_tokens / prefill_s,
         "decode_tok_s": len(step_s) / sum(step_s) if step_s else None,
     }
+
+
+SPEED = ("ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s")
+
+
+def repeat_timed(run: Callable[[], dict[str, Any]], warmup: int, repeats: int) -> dict[str, Any]:
+    """Run a sample `warmup` times unmeasured, then `repeats` times: the last record, with each speed
+    column the median of the repeats and `<column>_spread` their [min, max]."""
+    for _ in range(warmup):
+        run()
+    records = [run() for _ in range(repeats)]
+    record = records[-1]
+    for key in SPEED:
+        values = [r[key] for r in records if r.get(key) is not None]
+        if values:
+            record[key] = statistics.median(values)
+            record[f"{key}_spread"] = [min(values), max(values)]
+    record["timing"] = {"warmup": warmup, "repeats": repeats}
+    return record
 
 
 def cache_measurements(cache: KVCache, memory: PeakMemory, shared: SharedPrefill | None = None) -> dict[str, Any]:

@@ -9,6 +9,7 @@ compression happens during the prompt, run it themselves.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import signal
@@ -25,7 +26,7 @@ from kvbench.measure import tracing
 from kvbench.models import LoadedModel
 from kvbench.policies import POLICIES, Policy
 from kvbench.results import RunFolder, environment, now
-from kvbench.runner import RunSettings, SharedPrefill, compressed_prompt, evaluate, shared_prefill
+from kvbench.runner import RunSettings, SharedPrefill, compressed_prompt, evaluate, repeat_timed, shared_prefill
 from kvbench.tasks import TASKS, Sample, Task
 
 
@@ -85,6 +86,9 @@ def expand(config: SweepConfig) -> list[Cell]:
                             "evict_every": config.evict_every,
                             "max_new_tokens": config.max_new_tokens,
                         }))
+    if config.timing:  # only when set: adding the option changed no existing cell's id
+        for cell in cells:
+            cell.description["timing"] = config.timing.model_dump()
     unique = {cell.id: cell for cell in cells}  # a policy listed twice runs once
     return list(unique.values())
 
@@ -207,9 +211,11 @@ def _run_group(lm: LoadedModel, folder: RunFolder, cells: list[Cell], done: set[
             progress.update(progress)
             try:
                 with tracing() if trace else contextlib.nullcontext() as traces:
-                    record = evaluate(lm, task, cell.policy(), sample, cell.settings(),
-                                      cell.description["context_length"], cell.description["seed"],
-                                      shared=shared if _sharable(cell) else None)
+                    run = functools.partial(evaluate, lm, task, cell.policy(), sample, cell.settings(),
+                                            cell.description["context_length"], cell.description["seed"],
+                                            shared=shared if _sharable(cell) else None)
+                    timing = cell.description.get("timing")
+                    record = repeat_timed(run, **timing) if timing else run()
             except Exception as exc:  # one failing cell never stops the sweep
                 failed[cell.id] = _failure(cell, exc)
                 folder.add_cell(failed[cell.id])
@@ -232,7 +238,8 @@ def _run_group(lm: LoadedModel, folder: RunFolder, cells: list[Cell], done: set[
 
 
 def _sharable(cell: Cell) -> bool:
-    return cell.description["prefill"]["mode"] == "full"
+    """Whether the cell may start from the sample's shared prompt forward (a speed cell times its own)."""
+    return cell.description["prefill"]["mode"] == "full" and "timing" not in cell.description
 
 
 def _shared(lm: LoadedModel, cells: list[Cell], sample: Sample, question: str) -> SharedPrefill | None:

@@ -339,3 +339,20 @@ def test_trace_saves_each_samples_memory_series(tmp_path):
     line = json.loads(traces[0].read_text().splitlines()[0])
     assert line["sample_id"].startswith("niah-") and line["traces"][0]["columns"] == ["seconds", "bytes"]
     assert len(line["traces"][0]["rows"]) >= 2
+
+
+def test_speed_cells_warm_up_repeat_and_keep_the_median(tmp_path, monkeypatch):
+    import kvbench.sweep
+
+    calls = []
+    real = kvbench.sweep.evaluate
+    monkeypatch.setattr(kvbench.sweep, "evaluate", lambda *a, **k: calls.append(k["shared"]) or real(*a, **k))
+    config = {**TINY, "policies": ["full", "window"], "budgets": [32], "samples": 1,
+              "timing": {"warmup": 1, "repeats": 3}}
+    sweep(write_config(tmp_path, config), tmp_path / "run")
+    assert len(calls) == 2 * 2 * 4 and all(shared is None for shared in calls)  # cells x depths x (1 + 3), own prefill
+    record = RunFolder(tmp_path / "run").records()[0]
+    low, high = record["tpot_s_spread"]
+    assert low <= record["tpot_s"] <= high and record["timing"] == {"warmup": 1, "repeats": 3}
+    plain = expand(load_config(write_config(tmp_path, TINY, "plain.yaml")))
+    assert all("timing" not in cell.description for cell in plain)  # ids of untimed configs are unchanged
