@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 import yaml
 from typer.testing import CliRunner
 
@@ -356,3 +357,21 @@ def test_speed_cells_warm_up_repeat_and_keep_the_median(tmp_path, monkeypatch):
     assert low <= record["tpot_s"] <= high and record["timing"] == {"warmup": 1, "repeats": 3}
     plain = expand(load_config(write_config(tmp_path, TINY, "plain.yaml")))
     assert all("timing" not in cell.description for cell in plain)  # ids of untimed configs are unchanged
+
+
+def test_an_out_of_memory_cell_is_recorded_and_the_next_runs(tmp_path, monkeypatch):
+    import kvbench.sweep
+
+    real = kvbench.sweep.evaluate
+
+    def evaluate(lm, task, policy, *args, **kwargs):
+        if policy.name == "window":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(lm, task, policy, *args, **kwargs)
+
+    monkeypatch.setattr(kvbench.sweep, "evaluate", evaluate)
+    config = {**TINY, "policies": ["window", "full", {"name": "h2o", "recent_ratio": 0.5}], "budgets": [32]}
+    sweep(write_config(tmp_path, config), tmp_path / "run")
+    statuses = {c["cell"]["policy"]["name"]: c for c in RunFolder(tmp_path / "run").cells().values()}
+    assert statuses["window"]["status"] == "oom" and "Tried to allocate 2.00 GiB" in statuses["window"]["message"]
+    assert statuses["full"]["status"] == statuses["h2o"]["status"] == "ok"
