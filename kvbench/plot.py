@@ -5,6 +5,7 @@ for heatmaps, from the records), so what is drawn is what summary.csv says.
 
 from __future__ import annotations
 
+import re
 import zlib
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import pandas as pd
 
 from kvbench.errors import KvbenchError
 from kvbench.results import RunFolder
-from kvbench.summary import summarize
+from kvbench.summary import summarize, task_key, task_labels
 
 # Okabe-Ito: distinguishable with every common colour-vision deficiency
 OKABE_ITO = ["#E69F00", "#56B4E9", "#009E73", "#0072B2", "#D55E00", "#CC79A7", "#F0E442", "#999999"]
@@ -66,6 +67,9 @@ def figures(run: str | Path, style: str = "default", log_x: bool = False) -> dic
     if frame.empty:
         raise KvbenchError(f"{run}: no records to plot")
     records = RunFolder(run).records()
+    labels = task_labels([r["cell"]["task"] for r in records])
+    for record in records:
+        record["task_label"] = labels[task_key(record["cell"]["task"])]
     out: dict[str, Any] = {}
     with plt.rc_context(STYLES[style]):
         for task, rows in frame.groupby("task", sort=False):
@@ -73,10 +77,10 @@ def figures(run: str | Path, style: str = "default", log_x: bool = False) -> dic
                 plt, rows, "cache_ratio", "cache ratio (kept / full KV bytes)", style, log_x)
             out[f"score_vs_bytes_{task}"] = _score_curves(plt, rows, "kv_bytes_live", "KV cache held (MiB)", style,
                                                           log_x, scale=2**-20)
-            depth_records = [r for r in records if r["cell"]["task"]["name"] == task and "depth" in r.get("meta", {})]
+            depth_records = [r for r in records if r["task_label"] == task and "depth" in r.get("meta", {})]
             if depth_records:
                 out[f"needle_heatmaps_{task}"] = _needle_heatmaps(plt, depth_records, style)
-            nll_records = [r for r in records if r["cell"]["task"]["name"] == task and r.get("nll_by_position")]
+            nll_records = [r for r in records if r["task_label"] == task and r.get("nll_by_position")]
             if nll_records:
                 out[f"nll_vs_position_{task}"] = _nll_curves(plt, nll_records, style)
         out["memory_vs_context"] = _memory(plt, frame, style)
@@ -96,11 +100,16 @@ def plot_run(run: str | Path, out: str | Path | None = None, fmt: str = "png", s
     written = []
     with plt.rc_context(STYLES.get(style, {})):  # font embedding is read when saving, not when drawing
         for name, figure in figures(run, style, log_x).items():
-            path = target / f"{name}.{fmt}"
+            path = target / f"{_file_name(name)}.{fmt}"
             figure.savefig(path, bbox_inches="tight")
             plt.close(figure)
             written.append(path)
     return written
+
+
+def _file_name(name: str) -> str:
+    """`score_vs_ratio_perplexity (mode=exact)` -> `score_vs_ratio_perplexity_mode_exact`"""
+    return re.sub(r"[^\w.-]+", "_", name).strip("_")
 
 
 def _panels(plt, count: int, style: str, rows: int = 1):

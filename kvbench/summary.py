@@ -5,6 +5,7 @@ records (fixed bootstrap seed)."""
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,26 @@ MEASURES = ["cache_ratio", "kv_bytes_live", "kv_bytes_peak", "ttft_s", "tpot_s",
             "mem_peak_alloc"]
 # cells that share these see the same samples, so their scores pair up by sample id
 PAIRING = ["model", "task", "context_length", "question", "prefill", "samples", "seed"]
+
+
+def task_labels(tasks: list[dict[str, Any]]) -> dict[str, str]:
+    """A name for each task spec of a run: its name, plus the parameters that tell apart specs that share
+    it (`perplexity (mode=exact)` beside `perplexity (chunk=64, mode=chunked)`). Keys: `task_key(spec)`."""
+    by_name: dict[str, dict[str, dict[str, Any]]] = {}
+    for task in tasks:
+        by_name.setdefault(task["name"], {})[task_key(task)] = task["params"]
+    labels = {}
+    for name, variants in by_name.items():
+        keys = {k for params in variants.values() for k in params}
+        differing = sorted(k for k in keys if len({repr(p.get(k)) for p in variants.values()}) > 1)
+        for key, params in variants.items():
+            shown = ", ".join(f"{k}={params[k]}" for k in differing if k in params)
+            labels[key] = f"{name} ({shown})" if len(variants) > 1 else name
+    return labels
+
+
+def task_key(task: dict[str, Any]) -> str:
+    return json.dumps(task, sort_keys=True, default=str)
 
 
 def bootstrap_ci(values: np.ndarray, seed: int = 0) -> tuple[float, float]:
@@ -48,6 +69,8 @@ def summarize(run: str | Path, write: bool = True) -> pd.DataFrame:
     frame = pd.DataFrame(rows)
     if frame.empty:
         return frame
+    labels = task_labels([json.loads(key) for key in frame["_task"]])
+    frame["task"] = frame.pop("_task").map(labels)
     _paired_deltas(frame, records)
     frame = frame.sort_values(["task", "context_length", "question", "prefill", "policy", "budget_order", "params"],
                               kind="stable").drop(columns=["budget_order"]).reset_index(drop=True)
@@ -75,7 +98,7 @@ def _row(cell_id: str, records: list[dict[str, Any]], status: dict[str, Any] | N
     budget = cell["budget"]
     row = {
         "cell_id": cell_id,
-        "task": cell["task"]["name"],
+        "_task": task_key(cell["task"]),
         "context_length": cell["context_length"],
         "question": cell["question"],
         "prefill": cell["prefill"]["mode"],

@@ -157,3 +157,15 @@ def test_the_committed_baseline_matches_the_gate_config():
     root = Path(__file__).resolve().parent.parent
     baseline = json.loads((root / "baselines" / "gate.json").read_text())
     assert load_config(root / "configs" / "gate.yaml").result_hash() == baseline["config_hash"]
+
+
+def test_task_specs_that_share_a_name_are_told_apart():
+    from kvbench.summary import task_key, task_labels
+
+    exact = {"name": "perplexity", "params": {"mode": "exact"}}
+    chunked = {"name": "perplexity", "params": {"chunk": 64, "mode": "chunked"}}
+    niah = {"name": "niah", "params": {"depths": [0.5]}}
+    labels = task_labels([exact, chunked, niah, exact])
+    assert labels[task_key(exact)] == "perplexity (mode=exact)"
+    assert labels[task_key(chunked)] == "perplexity (chunk=64, mode=chunked)"
+    assert labels[task_key(niah)] == "niah"  # alone: just its name
