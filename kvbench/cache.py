@@ -226,8 +226,10 @@ class KVCache(Cache):
         headroom: int = 1,
         growth: int = 256,
         observers: list[Policy] | None = None,
+        limit_bytes: int | None = None,
     ) -> None:
         self.policy = policy
+        self.limit_bytes = limit_bytes  # KV bytes allowed (a memory-pressure cell on CPU): beyond, out of memory
         self.budget = budget
         # per-layer budgets: equal, unless the policy spreads the total unevenly (PyramidKV)
         self.layer_budgets = None if budget is None else policy.layer_budgets(budget, num_layers)
@@ -260,6 +262,11 @@ class KVCache(Cache):
         """Called before a layer's buffers are replaced: old and new coexist for a moment, count both."""
         allocated = sum(layer.capacity for layer in self.layers)
         self.peak_slots = max(self.peak_slots, allocated + new_slots)
+        if self.limit_bytes is not None:
+            batch, heads, head_dim = self.batch_heads_dim
+            needed = (allocated + new_slots) * 2 * batch * heads * head_dim * self.layers[0].dtype.itemsize
+            if needed > self.limit_bytes:
+                raise torch.OutOfMemoryError(f"KV cache needs {needed} bytes, over the limit of {self.limit_bytes}")
 
     def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
         """Called by the kvbench attention function after each layer's attention (see attention.py)."""

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from kvbench import __version__
 from kvbench.errors import KvbenchError
+from kvbench.estimate import human_bytes
 from kvbench.registry import first_line
 
 app = typer.Typer(
@@ -244,14 +245,6 @@ def sweep_table(frame, title: str) -> Table:
                       score, delta, "" if pd.isna(r["cache_ratio"]) else f"{r['cache_ratio']:.3f}",
                       "" if pd.isna(r["kv_bytes_peak"]) else human_bytes(r["kv_bytes_peak"]), r["status"])
     return table
-
-
-def human_bytes(count: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if count < 1024 or unit == "GiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    raise AssertionError("unreachable")
 
 
 def _default_output(name: str, shard_spec: str | None) -> str:

@@ -78,6 +78,9 @@ class SweepConfig(Strict):
     evict_every: int = Field(1, gt=0)
     max_new_tokens: int | None = Field(None, gt=0)
     timing: TimingConfig | None = None
+    # memory-pressure cells: the share of device memory already taken, or the memory the run may use
+    pressure: list[float] | None = None
+    memory_limit: str | None = None
     output: str | None = None
 
     @field_validator("model", mode="before")
@@ -104,6 +107,25 @@ class SweepConfig(Strict):
             except KvbenchError as exc:
                 raise ValueError(str(exc)) from None
         return budgets
+
+    @field_validator("pressure")
+    @classmethod
+    def _pressure(cls, levels: list[float] | None) -> list[float] | None:
+        if levels is not None and (not levels or any(not 0 <= p < 1 for p in levels)):
+            raise ValueError(f"pressure levels are fractions of memory already taken, in [0, 1): got {levels}")
+        return levels
+
+    @field_validator("memory_limit")
+    @classmethod
+    def _memory_limit(cls, limit: str | None) -> str | None:
+        from kvbench.estimate import parse_bytes
+
+        if limit is not None:
+            try:
+                parse_bytes(limit)
+            except KvbenchError as exc:
+                raise ValueError(str(exc)) from None
+        return limit
 
     @field_validator("context_lengths")
     @classmethod
@@ -145,7 +167,7 @@ class SweepConfig(Strict):
         for task in relevant["tasks"]:
             if task["samples"] is None:
                 del task["samples"]
-        for key in ("timing",):
+        for key in ("timing", "pressure", "memory_limit"):
             if relevant[key] is None:
                 del relevant[key]
         return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -63,6 +63,14 @@ def model_shape(model: str) -> Shape:
                  getattr(config, "head_dim", None) or config.hidden_size // heads, config_parameters(config))
 
 
+def human_bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
+
+
 def parse_bytes(text: str) -> int:
     """`80GiB`, `24 GB`, `8e9`: bytes."""
     match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))

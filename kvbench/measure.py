@@ -119,6 +119,26 @@ def open_nvml(device: torch.device) -> tuple[Nvml | None, str | None]:
 
 
 @contextlib.contextmanager
+def memory_pressure(device: torch.device, pressure: float | None = None,
+                    limit_bytes: int | None = None) -> Iterator[int | None]:
+    """Run the block as if `pressure` of the device's memory were taken by others (or with `limit_bytes`
+    in all). On a GPU the process's allocator is capped (`set_per_process_memory_fraction`), so weights,
+    activations and cache meet the limit where they would on a fuller GPU; yields None. On CPU the
+    limit applies to the KV cache's bytes (a share of the RAM available now); yields those bytes."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        allowed = limit_bytes if limit_bytes is not None else (1 - pressure) * total
+        torch.cuda.set_per_process_memory_fraction(min(1.0, allowed / total), device)
+        try:
+            yield None
+        finally:
+            torch.cuda.empty_cache()
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+        return
+    yield limit_bytes if limit_bytes is not None else int((1 - pressure) * psutil.virtual_memory().available)
+
+
+@contextlib.contextmanager
 def tracing() -> Iterator[list[dict[str, Any]]]:
     """Collect the memory time series of every sample measured inside the block."""
     traces: list[dict[str, Any]] = []

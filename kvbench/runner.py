@@ -34,6 +34,7 @@ class RunSettings:
     question: Literal["aware", "agnostic"] = "aware"
     evict_every: int = 1
     max_new_tokens: int | None = None  # overrides the task's
+    kv_limit_bytes: int | None = None  # KV-cache bytes allowed before an out-of-memory error (CPU pressure)
 
     def __post_init__(self) -> None:
         if self.prefill not in ("full", "chunked"):
@@ -134,10 +135,10 @@ def policy_budget(policy: Policy, settings: RunSettings, prompt_tokens: int, chu
     return budget
 
 
-def new_cache(lm: LoadedModel, policy: Policy, budget: int | None, evict_every: int = 1, headroom: int = 1,
+def new_cache(lm: LoadedModel, policy: Policy, budget: int | None, settings: RunSettings, headroom: int = 1,
               growth: int = 256) -> KVCache:
-    return KVCache(lm.num_layers, (1, lm.kv_heads, lm.head_dim), policy, budget, evict_every=evict_every,
-                   headroom=headroom, growth=growth)
+    return KVCache(lm.num_layers, (1, lm.kv_heads, lm.head_dim), policy, budget, evict_every=settings.evict_every,
+                   headroom=headroom, growth=growth, limit_bytes=settings.kv_limit_bytes)
 
 
 def decode(lm: LoadedModel, cache: KVCache, logits: torch.Tensor, max_new_tokens: int, eos: set[int],
@@ -173,7 +174,7 @@ def generate(lm: LoadedModel, policy: Policy, context_ids: list[int], question_i
     # headroom: what arrives between two evictions; growth: what a cache that stopped evicting still takes
     headroom = max(settings.evict_every, chunk if chunked else 1, len(question_ids) if agnostic else 1)
     growth = max_new_tokens + (len(question_ids) if agnostic else 0)
-    cache = new_cache(lm, policy, budget, settings.evict_every, headroom, growth)
+    cache = new_cache(lm, policy, budget, settings, headroom, growth)
     eos = lm.eos_token_ids if eos_token_ids is None else eos_token_ids
 
     with PeakMemory(lm.device) as memory:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kvbench.estimate import human_bytes
 from kvbench.results import RunFolder
 
 BOOTSTRAP_RESAMPLES = 2000
@@ -72,7 +73,8 @@ def summarize(run: str | Path, write: bool = True) -> pd.DataFrame:
     labels = task_labels([json.loads(key) for key in frame["_task"]])
     frame["task"] = frame.pop("_task").map(labels)
     _paired_deltas(frame, records)
-    frame = frame.sort_values(["task", "context_length", "question", "prefill", "policy", "budget_order", "params"],
+    frame = frame.sort_values(["task", "context_length", "question", "prefill", "policy", "budget_order", "params",
+                               "memory"],
                               kind="stable").drop(columns=["budget_order"]).reset_index(drop=True)
     if write:
         path = Path(run)
@@ -105,6 +107,7 @@ def _row(cell_id: str, records: list[dict[str, Any]], status: dict[str, Any] | N
         "policy": cell["policy"]["name"],
         "params": ", ".join(f"{k}={v}" for k, v in cell["policy"]["params"].items()),
         "budget": "-" if budget is None else str(budget),
+        "memory": _memory_label(cell.get("memory")),
         "budget_order": (0, 0.0) if budget is None else ((1, budget) if isinstance(budget, float) else (2, budget)),
         "status": status["status"] if status else "partial",
         # perplexity: lower is better; every other task's score: a fraction where higher is better
@@ -126,6 +129,15 @@ def _row(cell_id: str, records: list[dict[str, Any]], status: dict[str, Any] | N
     if status and status.get("message"):
         row["message"] = status["message"]
     return row
+
+
+def _memory_label(memory: dict[str, Any] | None) -> str:
+    if memory is None:
+        return "-"
+    if "pressure" in memory:
+        return f"{memory['pressure']:.0%} taken"
+    return f"limit {human_bytes(memory['limit_bytes'])}"
+
 
 
 def _paired_deltas(frame: pd.DataFrame, records: list[dict[str, Any]]) -> None:
@@ -156,17 +168,19 @@ def markdown(frame: pd.DataFrame, manifest: dict[str, Any]) -> str:
     for (task, length, question, prefill), group in frame.groupby(
             ["task", "context_length", "question", "prefill"], sort=False):
         direction = "" if group["higher_is_better"].all() else " (score: lower is better)"
+        pressure = (group["memory"] != "-").any()  # memory-pressure cells: say under which condition
         lines += [f"## {task}, {length} tokens, question {question}, prefill {prefill}{direction}", "",
-                  "| policy | params | budget | n | score | delta vs full | cache ratio | kv peak MiB | ttft s | "
-                  "tpot ms | status |",
-                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "| policy | params | budget |" + (" memory |" if pressure else "") + " n | score | delta vs full | "
+                  "cache ratio | kv peak MiB | ttft s | tpot ms | status |",
+                  "|---|---|---|" + ("---|" if pressure else "") + "---:|---:|---:|---:|---:|---:|---:|---|"]
         for _, r in group.iterrows():
             delta = "" if pd.isna(r["delta_vs_full"]) else \
                 f"{r['delta_vs_full']:+.2f} [{r['delta_ci_low']:+.2f}, {r['delta_ci_high']:+.2f}]"
             score = "" if pd.isna(r["score"]) else \
                 f"{r['score']:.2f} [{r['score_ci_low']:.2f}, {r['score_ci_high']:.2f}]"
             lines.append(
-                f"| {r['policy']} | {r['params']} | {r['budget']} | {r['n']} | {score} | {delta} | "
+                f"| {r['policy']} | {r['params']} | {r['budget']} |" + (f" {r['memory']} |" if pressure else "")
+                + f" {r['n']} | {score} | {delta} | "
                 f"{_num(r['cache_ratio'], '.3f')} | {_num(r['kv_bytes_peak'] / 2**20, '.1f')} | "
                 f"{_num(r['ttft_s'], '.2f')} | {_num(r['tpot_s'] * 1000, '.0f')} | {r['status']} |")
         lines.append("")

@@ -22,7 +22,8 @@ import torch
 
 from kvbench.config import SweepConfig
 from kvbench.errors import KvbenchError
-from kvbench.measure import tracing
+from kvbench.estimate import parse_bytes
+from kvbench.measure import memory_pressure, tracing
 from kvbench.models import LoadedModel
 from kvbench.policies import POLICIES, Policy
 from kvbench.results import RunFolder, environment, now
@@ -50,10 +51,11 @@ class Cell:
     def policy(self) -> Policy:
         return POLICIES.build(self.description["policy"]["name"], self.description["policy"]["params"])
 
-    def settings(self) -> RunSettings:
+    def settings(self, kv_limit_bytes: int | None = None) -> RunSettings:
         d = self.description
         return RunSettings(budget=d["budget"], prefill=d["prefill"]["mode"], prefill_chunk=d["prefill"]["chunk"] or 1,
-                           question=d["question"], evict_every=d["evict_every"], max_new_tokens=d["max_new_tokens"])
+                           question=d["question"], evict_every=d["evict_every"], max_new_tokens=d["max_new_tokens"],
+                           kv_limit_bytes=kv_limit_bytes)
 
     @property
     def label(self) -> str:
@@ -89,6 +91,11 @@ def expand(config: SweepConfig) -> list[Cell]:
     if config.timing:  # only when set: adding the option changed no existing cell's id
         for cell in cells:
             cell.description["timing"] = config.timing.model_dump()
+    if config.pressure or config.memory_limit:  # one cell per memory condition
+        conditions = [{"pressure": p} for p in config.pressure or []]
+        if config.memory_limit:
+            conditions.append({"limit_bytes": parse_bytes(config.memory_limit)})
+        cells = [Cell({**cell.description, "memory": condition}) for cell in cells for condition in conditions]
     unique = {cell.id: cell for cell in cells}  # a policy listed twice runs once
     return list(unique.values())
 
@@ -210,8 +217,10 @@ def _run_group(lm: LoadedModel, folder: RunFolder, cells: list[Cell], done: set[
             progress.current = f"{cell.label} {sample.id}"
             progress.update(progress)
             try:
-                with tracing() if trace else contextlib.nullcontext() as traces:
-                    run = functools.partial(evaluate, lm, task, cell.policy(), sample, cell.settings(),
+                with tracing() if trace else contextlib.nullcontext() as traces, \
+                        memory_pressure(lm.device, **cell.description["memory"]) if "memory" in cell.description \
+                        else contextlib.nullcontext() as kv_limit:
+                    run = functools.partial(evaluate, lm, task, cell.policy(), sample, cell.settings(kv_limit),
                                             cell.description["context_length"], cell.description["seed"],
                                             shared=shared if _sharable(cell) else None)
                     timing = cell.description.get("timing")
@@ -238,8 +247,10 @@ def _run_group(lm: LoadedModel, folder: RunFolder, cells: list[Cell], done: set[
 
 
 def _sharable(cell: Cell) -> bool:
-    """Whether the cell may start from the sample's shared prompt forward (a speed cell times its own)."""
-    return cell.description["prefill"]["mode"] == "full" and "timing" not in cell.description
+    """Whether the cell may start from the sample's shared prompt forward: not a speed cell (it times its
+    own) nor a memory-pressure one (the prompt's forward is what may not fit)."""
+    d = cell.description
+    return d["prefill"]["mode"] == "full" and "timing" not in d and "memory" not in d
 
 
 def _shared(lm: LoadedModel, cells: list[Cell], sample: Sample, question: str) -> SharedPrefill | None:

@@ -114,8 +114,7 @@ class Dialogue(Task):
                     for i, turn in enumerate(sample.turns)]
         user_tokens = sum(map(len, turn_ids))
         budget = policy_budget(policy, settings, user_tokens, chunked=True)
-        cache = new_cache(lm, policy, budget, settings.evict_every, headroom=max(map(len, turn_ids)) + 1,
-                          growth=256)
+        cache = new_cache(lm, policy, budget, settings, headroom=max(map(len, turn_ids)) + 1)
         eos = lm.eos_token_ids
         close = lm.tokenizer(template.close, add_special_tokens=False).input_ids
         answers, fact_at, asked_at = {}, {}, {}

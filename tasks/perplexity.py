@@ -71,7 +71,7 @@ class Perplexity(Task):
         ids = sample.token_ids
         step = 1 if self.mode == "exact" else self.chunk
         budget = policy_budget(policy, settings, len(ids), chunked=True)
-        cache = new_cache(lm, policy, budget, headroom=step, growth=max(step, 256))
+        cache = new_cache(lm, policy, budget, settings, headroom=step, growth=max(step, 256))
         nll, step_s = [], []
         with torch.inference_mode(), PeakMemory(lm.device) as memory:
             clock = Stopwatch(lm.device)

@@ -375,3 +375,22 @@ def test_an_out_of_memory_cell_is_recorded_and_the_next_runs(tmp_path, monkeypat
     statuses = {c["cell"]["policy"]["name"]: c for c in RunFolder(tmp_path / "run").cells().values()}
     assert statuses["window"]["status"] == "oom" and "Tried to allocate 2.00 GiB" in statuses["window"]["message"]
     assert statuses["full"]["status"] == statuses["h2o"]["status"] == "ok"
+
+
+def test_a_memory_limit_fails_the_cells_that_do_not_fit(tmp_path):
+    # tiny-llama holds 512 bytes per token (2 layers x 2 KV heads x 16 dims x K and V x 4 bytes): a 300-token
+    # prompt needs ~150 KB in full; a 32-token window fed in chunks of 16 peaks near (32 + 16) x 512 = 24 KB
+    # (with `prefill: full` the whole prompt lands before it is compressed, and would not fit either)
+    config = {**TINY, "policies": ["full", "window"], "budgets": [32], "samples": 1, "memory_limit": "40KiB",
+              "prefill": {"mode": "chunked", "chunk": 16}}
+    sweep(write_config(tmp_path, config), tmp_path / "run")
+    cells = {c["cell"]["policy"]["name"]: c for c in RunFolder(tmp_path / "run").cells().values()}
+    assert cells["full"]["status"] == "oom" and "over the limit of 40960" in cells["full"]["message"]
+    assert cells["window"]["status"] == "ok" and cells["window"]["cell"]["memory"] == {"limit_bytes": 40960}
+    frame = summarize(tmp_path / "run")
+    assert set(frame["memory"]) == {"limit 40.0 KiB"}
+    assert "| memory |" in (tmp_path / "run" / "summary.md").read_text()
+    levels = expand(load_config(write_config(tmp_path, {**TINY, "pressure": [0.5, 0.9]}, "p.yaml")))
+    assert len(levels) == 2 * len(expand(load_config(write_config(tmp_path, TINY, "plain.yaml"))))
+    bad = runner.invoke(app, ["validate", str(write_config(tmp_path, {**TINY, "pressure": [1.2]}, "bad.yaml"))])
+    assert bad.exit_code == 2 and "pressure" in bad.output
