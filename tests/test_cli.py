@@ -98,3 +98,12 @@ def test_local_model_folder_loads_and_runs(tmp_path):
     result = runner.invoke(app, ["run", "-m", str(tmp_path), "-c", "300", "--max-new-tokens", "2", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout.splitlines()[0])["model"] == str(tmp_path)
+
+
+def test_the_prepared_gpu_configs_stay_valid():
+    from pathlib import Path
+
+    for name in ("sweep.yaml", "pressure.yaml"):
+        path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu" / name
+        result = runner.invoke(app, ["validate", str(path)])
+        assert result.exit_code == 0, result.output
