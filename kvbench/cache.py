@@ -73,9 +73,16 @@ class LayerKV(CacheLayerMixin):
             self._reallocate(self.owner.capacity_for(end, self.layer_idx))
         self.keys[:, :, self.length : end] = key_states
         self.values[:, :, self.length : end] = value_states
-        self.positions[:, :, self.length : end] = torch.arange(self.seen, self.seen + new, device=self.device)
+        positions = torch.arange(self.seen, self.seen + new, device=self.device)
+        pad = self.owner.left_padding
+        if pad is not None:  # a left-padded batch: each row's tokens count from its first real one
+            positions = positions - pad.to(self.device)[:, None, None]
+        self.positions[:, :, self.length : end] = positions
         for stat in self.slot_stats.values():
             stat[:, :, self.length : end] = 0
+        if pad is not None and self.seen < int(pad.max()):  # the padding slots: masked, evicted first
+            self.slot_stat(PADDING, dtype=torch.bool)
+            self.slot_stats[PADDING][:, :, self.length : end] = self.positions[:, :, self.length : end] < 0
         self.length, self.seen = end, self.seen + new
         self.max_held = max(self.max_held, end)
         return self.keys[:, :, :end], self.values[:, :, :end]
@@ -116,6 +123,11 @@ class LayerKV(CacheLayerMixin):
 
     def live_positions(self) -> torch.Tensor:
         return self.positions[:, :, : self.length]
+
+    def next_position(self) -> int | torch.Tensor:
+        """The position the next token takes: `seen`, or per row `[batch, 1, 1]` in a left-padded batch."""
+        pad = self.owner.left_padding
+        return self.seen if pad is None else self.seen - pad.to(self.device)[:, None, None]
 
     def slot_stat(self, name: str, width: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A per-slot statistic `[batch, kv_heads, length(, width)]` that follows its entry when slots move."""
@@ -227,9 +239,11 @@ class KVCache(Cache):
         growth: int = 256,
         observers: list[Policy] | None = None,
         limit_bytes: int | None = None,
+        left_padding: torch.Tensor | None = None,
     ) -> None:
         self.policy = policy
         self.limit_bytes = limit_bytes  # KV bytes allowed (a memory-pressure cell on CPU): beyond, out of memory
+        self.left_padding = left_padding  # [batch] padding tokens in front of each row (batch > 1)
         self.budget = budget
         # per-layer budgets: equal, unless the policy spreads the total unevenly (PyramidKV)
         self.layer_budgets = None if budget is None else policy.layer_budgets(budget, num_layers)
@@ -304,6 +318,9 @@ class KVCache(Cache):
                 self.evictions += before - layer.live_entries()
                 continue
             scores = self.policy.score(layer, budget)
+            padding = layer.padding()
+            if padding is not None:  # a batch's padding goes first, whatever the policy protects
+                scores = scores.masked_fill(padding, float("-inf"))
             evicted = scores.topk(excess, dim=-1, largest=False, sorted=False).indices
             layer.evict(evicted)
             self.evictions += evicted.numel()

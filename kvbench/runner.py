@@ -66,20 +66,23 @@ def resolve_budget(budget: int | float | None, prompt_tokens: int) -> int | None
     return int(budget)
 
 
-def forward(lm: LoadedModel, cache: KVCache, ids: list[int], all_logits: bool = False) -> torch.Tensor:
-    """Feed `ids` after what `cache` has seen; return the last position's logits `[1, vocab]` (every
-    position's, `[len(ids), vocab]`, with `all_logits`)."""
+def forward(lm: LoadedModel, cache: KVCache, ids: list[int] | torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+    """Feed `ids` (a list, or `[batch, n]` for a left-padded batch) after what `cache` has seen; return the
+    last position's logits `[batch, vocab]` (every position's, `[len(ids), vocab]`, with `all_logits`)."""
     seen, length = cache.layers[0].seen, cache.layers[0].length
-    inputs = torch.tensor([ids], device=lm.device)
+    inputs = torch.tensor([ids], device=lm.device) if isinstance(ids, list) else ids.to(lm.device)
+    positions = torch.arange(seen, seen + inputs.shape[1], device=lm.device)[None]
+    if cache.left_padding is not None:  # each row counts from its first real token; padding sits at 0
+        positions = (positions - cache.left_padding.to(lm.device)[:, None]).clamp(min=0)
     kwargs: dict[str, Any] = {
         lm.cache_arg: cache,
-        "position_ids": torch.arange(seen, seen + len(ids), device=lm.device)[None],
+        "position_ids": positions,
         "use_cache": True,
         "logits_to_keep": 0 if all_logits else 1,
         "kv_observer": cache,
     }
     if lm.takes_cache_position:  # transformers < 5.2x sizes the mask from cache positions
-        kwargs["cache_position"] = torch.arange(length, length + len(ids), device=lm.device)
+        kwargs["cache_position"] = torch.arange(length, length + inputs.shape[1], device=lm.device)
     logits = lm.model(input_ids=inputs, **kwargs).logits
     return logits[0] if all_logits else logits[:, -1]
 
@@ -259,6 +262,57 @@ def cache_measurements(cache: KVCache, memory: PeakMemory, shared: SharedPrefill
 def _peak(memory: PeakMemory, shared: SharedPrefill | None, name: str) -> int | None:
     values = [v for v in (getattr(memory, name), getattr(shared.memory, name) if shared else None) if v is not None]
     return max(values) if values else None
+
+
+@torch.inference_mode()
+def generate_batch(lm: LoadedModel, policy: Policy, prompts: list[list[int]], settings: RunSettings,
+                   max_new_tokens: int, eos_token_ids: set[int] | None = None,
+                   ) -> tuple[list[list[int]], dict[str, Any]]:
+    """Greedy decoding of several prompts in one cache: left-padded to the longest (padding is masked, evicted
+    first and never counted as kept), one budget for every row so the cache stays rectangular. Returns each
+    row's tokens (up to its end of sequence) and the run's measurements."""
+    longest, batch = max(map(len, prompts)), len(prompts)
+    pad_id = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
+    padding = torch.tensor([longest - len(p) for p in prompts])
+    ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts])
+    chunked = settings.prefill == "chunked"
+    budget = policy_budget(policy, settings, longest, chunked)
+    chunk = settings.prefill_chunk if chunked else longest
+    cache = KVCache(lm.num_layers, (batch, lm.kv_heads, lm.head_dim), policy, budget,
+                    evict_every=settings.evict_every, headroom=max(settings.evict_every, chunk if chunked else 1),
+                    growth=max_new_tokens, limit_bytes=settings.kv_limit_bytes,
+                    left_padding=padding if int(padding.max()) else None)
+    eos = torch.tensor(sorted(lm.eos_token_ids if eos_token_ids is None else eos_token_ids) or [-1])
+    with PeakMemory(lm.device) as memory:
+        clock = Stopwatch(lm.device)
+        for start in range(0, longest, chunk):
+            logits = forward(lm, cache, ids[:, start : start + chunk])
+            cache.compress()
+        prefill_s = clock.lap()
+        cache.phase = "decode"
+        tokens = [logits.argmax(-1).cpu()]
+        done = torch.isin(tokens[0], eos)
+        first_s, step_s = clock.lap(), []
+        while len(tokens) < max_new_tokens and not bool(done.all()):
+            logits = forward(lm, cache, tokens[-1][:, None])
+            if policy.evicts_during_decode:
+                cache.compress()
+            tokens.append(logits.argmax(-1).cpu())
+            done |= torch.isin(tokens[-1], eos)
+            step_s.append(clock.lap())
+    rows = []
+    for row in torch.stack(tokens, dim=1).tolist():
+        ends = [i for i, t in enumerate(row) if t in set(eos.tolist())]
+        rows.append(row[: ends[0]] if ends else row)
+    measurements = {
+        **timings(longest * batch, prefill_s, prefill_s + first_s, step_s, generated_tokens=sum(map(len, rows))),
+        "batch": batch,
+        "budget_tokens": budget,
+        **cache_measurements(cache, memory),
+    }
+    if step_s:  # a step decodes one token for every row
+        measurements["decode_tok_s"] = batch * len(step_s) / sum(step_s)
+    return rows, measurements
 
 
 def _finished(lm: LoadedModel, tokens: list[int], eos: set[int], stop: tuple[str, ...]) -> bool:

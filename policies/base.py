@@ -111,7 +111,7 @@ def build_spec(spec: str | dict[str, Any]) -> Policy:
 
 def recent_mask(layer: LayerKV, count: int) -> torch.Tensor:
     """True for the live entries among the `count` most recent tokens."""
-    return layer.live_positions() >= layer.seen - count
+    return layer.live_positions() >= layer.next_position() - count
 
 
 def protect(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

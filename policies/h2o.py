@@ -24,7 +24,7 @@ class H2O(Policy):
 
     def observe(self, layer, query, key, scaling, phase) -> None:
         # every query's attention counts, the prompt's included; scores leave with evicted entries
-        layer.slot_stat(self.state_key).add_(attention_received(query, key, scaling))
+        layer.slot_stat(self.state_key).add_(attention_received(query, key, scaling, layer.padding()))
 
     def score(self, layer, budget: int) -> torch.Tensor:
         recent = round(budget * self.recent_ratio)

@@ -36,7 +36,7 @@ class Scissorhands(Policy):
         ring = layer.slot_stat(self.state_key, width=self.history, dtype=torch.bool)
         n = key.shape[2]
         weights = key.new_zeros((key.shape[0], key.shape[1], count, n), dtype=torch.float32)
-        for start, probs in attention_probs(query[:, :, -count:], key, scaling):
+        for start, probs in attention_probs(query[:, :, -count:], key, scaling, layer.padding()):
             # each KV head's query heads averaged; chunks see up to their last query's slot
             weights[:, :, start : start + probs.shape[3], : probs.shape[-1]] = probs.mean(dim=2)
         seen_by = torch.arange(n - count, n, device=key.device) + 1  # entries the i-th query sees

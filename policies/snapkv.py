@@ -38,7 +38,7 @@ class SnapKV(Policy):
         window_queries = query[:, :, -self.window :]
         votes = layer.slot_stat(self.state_key)
         votes.zero_()
-        for _, probs in attention_probs(window_queries, key, scaling):
+        for _, probs in attention_probs(window_queries, key, scaling, layer.padding()):
             votes[..., : probs.shape[-1]] += probs.sum(dim=(2, 3))
 
     def score(self, layer, budget: int) -> torch.Tensor:
