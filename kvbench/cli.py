@@ -521,6 +521,59 @@ def gate_command(
         raise typer.Exit(1)
 
 
+@app.command(name="capacity")
+@user_errors
+def capacity_command(
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help="As for `run`."),
+    policy: str = typer.Option("full", "--policy", "-p", help="Policy name."),
+    param: list[str] = typer.Option([], "--param", help="Policy parameter k=v; repeatable."),
+    budget: str | None = typer.Option(None, "--budget", "-b", help="Tokens per layer and KV head, or a ratio."),
+    memory_limit: str | None = typer.Option(None, "--memory-limit", help="Memory the run may use, e.g. 24GiB "
+                                            "(on CPU: the KV cache's bytes)."),
+    pressure: float | None = typer.Option(None, "--pressure", min=0, max=0.999, help="Share of device memory "
+                                          "already taken by others, e.g. 0.9."),
+    context: int | None = typer.Option(None, "--context", "-c", min=1, help="Find the largest batch at this "
+                                       "context length."),
+    batch: int | None = typer.Option(None, "--batch", min=1, help="Find the longest context at this batch."),
+    decode_steps: int = typer.Option(16, "--decode-steps", min=1, help="Decode steps each probe must complete."),
+    most: int | None = typer.Option(None, "--max", min=1, help="Upper bound of the search."),
+    prefill: str = typer.Option("full", "--prefill", help="full or chunked (see `run`)."),
+    prefill_chunk: int = typer.Option(512, "--prefill-chunk", min=1, help="Chunk size for --prefill chunked."),
+    dtype: str = typer.Option("auto", "--dtype", help="As for `run`."),
+    device: str = typer.Option("auto", "--device", help="As for `run`."),
+) -> None:
+    """Largest batch (--context) or longest context (--batch) that fits a memory limit, and its decode speed."""
+    from kvbench.capacity import capacity
+    from kvbench.estimate import parse_bytes
+    from kvbench.models import load_model
+    from kvbench.policies import build_policy
+    from kvbench.runner import RunSettings
+
+    if (context is None) == (batch is None):
+        raise KvbenchError("give either --context (find the largest batch) or --batch (find the longest context)")
+    if memory_limit is None and pressure is None:
+        raise KvbenchError("give --memory-limit or --pressure")
+    pol = build_policy(policy, parse_assignments(param, "--param"))
+    settings = RunSettings(budget=None if budget is None else parse_budget(budget), prefill=prefill,
+                           prefill_chunk=prefill_chunk)
+    lm = load_model(model, dtype=dtype, device=device)
+    search = "batch" if context is not None else "context"
+    with stderr.status(f"searching the largest {search} ..."):
+        found = capacity(lm, pol, settings, search, context=context or 0, batch=batch or 1,
+                         decode_steps=decode_steps, limit_bytes=None if memory_limit is None else
+                         parse_bytes(memory_limit), pressure=pressure, bound=most)
+    probes = ", ".join(f"{n} {'ok' if fit else 'OOM'}" for n, fit in found.probes)
+    where = f"at {context} tokens" if search == "batch" else f"at batch {batch}"
+    limit = memory_limit or f"{pressure:.0%} of the device taken"
+    stdout.print(f"{model}, {pol.name} budget {budget or '-'}, limit {limit}: largest {search} {where}: "
+                 f"[bold]{found.size}[/] (probes: {probes})", highlight=False)
+    if found.size:
+        m = found.measurements
+        stdout.print(f"there: decode {m['decode_tok_s'] or 0:.1f} tok/s over the batch, KV peak "
+                     f"{human_bytes(m['kv_bytes_peak'])}, process peak {human_bytes(m['mem_peak_alloc'])}",
+                     highlight=False)
+
+
 @app.command(name="estimate")
 @user_errors
 def estimate_command(

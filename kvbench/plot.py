@@ -276,10 +276,12 @@ def pareto_front(points: pd.DataFrame, x: str, y: str, higher_is_better: bool = 
 
 
 def _score_axis(rows: pd.DataFrame) -> dict[str, Any]:
-    """A fraction's axis is [0, 1]; a lower-is-better score (perplexity) gets its own range."""
-    if rows["higher_is_better"].all():
+    """A fraction's axis is [0, 1]; a lower-is-better score (perplexity) or a count (capacity) gets its own."""
+    if not rows["higher_is_better"].all():
+        return {"ylabel": "perplexity (lower is better)"}
+    if rows["score"].max() <= 1 or rows["score"].isna().all():
         return {"ylabel": "score", "ylim": (-0.05, 1.05)}
-    return {"ylabel": "perplexity (lower is better)"}
+    return {"ylabel": "score"}
 
 
 def _pareto(plt, frame: pd.DataFrame, style: str):
