@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: install
 	$(BIN)/kvbench sweep configs/smoke.yaml
+	$(BIN)/kvbench sweep configs/capacity.yaml
 	$(BIN)/kvbench plot results/smoke
 	$(BIN)/kvbench report results/smoke
 
