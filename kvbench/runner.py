@@ -255,6 +255,10 @@ def cache_measurements(cache: KVCache, memory: PeakMemory, shared: SharedPrefill
         "mem_peak_device": _peak(memory, shared, "peak_device"),
         "mem_baseline": memory.baseline_bytes,
         "mem_device_note": memory.device_note,
+        **({} if cache.limit_bytes is None else {
+            "kv_limit_bytes": cache.limit_bytes,
+            # the limit bounds the cache; what the process grew by says whether the rest fit too
+            "mem_growth_over_limit": memory.peak_bytes - memory.baseline_bytes > cache.limit_bytes}),
         "prefill_shared": shared is not None,
     }
 

@@ -387,6 +387,9 @@ def test_a_memory_limit_fails_the_cells_that_do_not_fit(tmp_path):
     cells = {c["cell"]["policy"]["name"]: c for c in RunFolder(tmp_path / "run").cells().values()}
     assert cells["full"]["status"] == "oom" and "over the limit of 40960" in cells["full"]["message"]
     assert cells["window"]["status"] == "ok" and cells["window"]["cell"]["memory"] == {"limit_bytes": 40960}
+    record = RunFolder(tmp_path / "run").records()[0]
+    assert record["kv_limit_bytes"] == 40960 and record["kv_bytes_peak"] <= 40960
+    assert isinstance(record["mem_growth_over_limit"], bool)  # the process's RSS growth, checked against it
     frame = summarize(tmp_path / "run")
     assert set(frame["memory"]) == {"limit 40.0 KiB"}
     assert "| memory |" in (tmp_path / "run" / "summary.md").read_text()
