@@ -3,7 +3,7 @@
 # sweep with NVML traces, a memory-pressure sweep ending in OOMs, an intentional OOM outside the sweep,
 # and one summary. Output goes to $1 (default benchmarks/results/gpu-<date>); commit its check.log.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results/gpu-$(date +%F)}
 mkdir -p "$out"
 kvbench=${KVBENCH:-.venv/bin/kvbench}
