@@ -210,8 +210,9 @@ def summary_table(records: list[dict[str, Any]], model: dict[str, Any]) -> Table
     for (length, name, budget), rows in groups:
         mean = rows.mean(numeric_only=True)
         table.add_row(
-            str(length), name, budget, str(len(rows)), f"{mean['scores.score']:.2f}", f"{mean['cache_ratio']:.3f}",
-            human_bytes(mean["kv_bytes_peak"]), human_bytes(mean["kv_bytes_live"]), _number(mean, "ttft_s", ".2f"),
+            str(length), name, budget, str(len(rows)), f"{mean['scores.score']:.2f}",
+            _number(mean, "cache_ratio", ".3f"), _bytes(mean, "kv_bytes_peak"), _bytes(mean, "kv_bytes_live"),
+            _number(mean, "ttft_s", ".2f"),
             _number(mean, "tpot_s", ".0f", 1000),
         )
     if not all(r.get("higher_is_better", True) for r in records):
@@ -225,6 +226,13 @@ def _number(row, key: str, spec: str, scale: float = 1.0) -> str:
 
     value = row.get(key)
     return "-" if value is None or pd.isna(value) else format(value * scale, spec)
+
+
+def _bytes(row, key: str) -> str:
+    import pandas as pd
+
+    value = row.get(key)
+    return "-" if value is None or pd.isna(value) else human_bytes(value)
 
 
 def sweep_table(frame, title: str) -> Table:
