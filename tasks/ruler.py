@@ -162,8 +162,10 @@ class Ruler(Task):
     def _cwe(self, subtask: str, rng: random.Random, tokenizer, size: int, context_length: int) -> Sample:
         """`size` entries of rare words (each 3 times, the last maybe less) plus the common words, 30 times
         each as in RULER from ~6k tokens on and fewer (at least 4) in shorter contexts."""
-        vocabulary = english_words() + pseudo_words()  # real words first; made-up ones past ~32k tokens
-        picks = rng.sample(range(len(vocabulary)), self.cwe_words + -(-size // 3))
+        vocabulary = english_words() + pseudo_words()
+        # real words (~2k) while they suffice; made-up ones join only for contexts that need more (~6k+ tokens)
+        pool = max(len(english_words()), self.cwe_words + context_length // 3)
+        picks = rng.sample(range(pool), self.cwe_words + -(-size // 3))
         common = [vocabulary[i] for i in picks[: self.cwe_words]]
         rare = [vocabulary[i] for i in picks[self.cwe_words :]]
         common_freq = max(4, min(30, context_length // 200))
