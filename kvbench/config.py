@@ -102,10 +102,7 @@ class SweepConfig(Strict):
     @classmethod
     def _budgets(cls, budgets: list[int | float]) -> list[int | float]:
         for budget in budgets:
-            try:
-                check_budget(budget)
-            except KvbenchError as exc:
-                raise ValueError(str(exc)) from None
+            _checked(check_budget, budget)
         return budgets
 
     @field_validator("pressure")
@@ -121,10 +118,7 @@ class SweepConfig(Strict):
         from kvbench.estimate import parse_bytes
 
         if limit is not None:
-            try:
-                parse_bytes(limit)
-            except KvbenchError as exc:
-                raise ValueError(str(exc)) from None
+            _checked(parse_bytes, limit)
         return limit
 
     @field_validator("context_lengths")
@@ -171,6 +165,14 @@ class SweepConfig(Strict):
             if relevant[key] is None:
                 del relevant[key]
         return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _checked(check, value: Any) -> None:
+    """Run a kvbench check inside a pydantic validator, which reports ValueErrors with their location."""
+    try:
+        check(value)
+    except KvbenchError as exc:
+        raise ValueError(str(exc)) from None
 
 
 class _Located(Exception):  # not a ValueError: pydantic must let it through with its location
