@@ -12,6 +12,7 @@ from typing import Any
 import typer
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -39,7 +40,7 @@ def user_errors(command: Callable) -> Callable:
         try:
             return command(*args, **kwargs)
         except KvbenchError as exc:
-            stderr.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            stderr.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
     return wrapper
@@ -334,7 +335,7 @@ def _run(cfg, cells, lm, folder, shard_spec, force: bool, quiet: bool, share: bo
             bar.update(cells_bar, completed=progress.cells_done)
             bar.update(samples_bar, completed=progress.samples_done, description=progress.current[:28] or "samples")
             while progress.log:
-                stderr.print(f"[yellow]cell failed:[/] {progress.log.pop(0)}", highlight=False)
+                stderr.print(f"[yellow]cell failed:[/] {escape(progress.log.pop(0))}", highlight=False)
 
         completed = run_sweep(lm, folder, cells, Progress(len(cells), sample_total(cells), update), share=share,
                               retry_failed=retry_failed, trace=trace)

@@ -107,3 +107,13 @@ def test_the_prepared_gpu_configs_stay_valid():
         path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu" / name
         result = runner.invoke(app, ["validate", str(path)])
         assert result.exit_code == 0, result.output
+
+
+def test_error_text_is_printed_as_is(monkeypatch):
+    """An error that names an extra (`kvbench[data]`) must not lose it to rich's markup."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
+    result = runner.invoke(app, ["run", "-m", "random:tiny-llama", "-t", "perplexity", "--task-param",
+                                 "corpus=hf:nothing-such", "-c", "300"])
+    assert result.exit_code == 2 and "pip install 'kvbench[data]'" in result.output
