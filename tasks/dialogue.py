@@ -114,14 +114,14 @@ class Dialogue(Task):
                     for i, turn in enumerate(sample.turns)]
         user_tokens = sum(map(len, turn_ids))
         budget = policy_budget(policy, settings, user_tokens, chunked=True)
-        cache = new_cache(lm, policy, budget, settings, headroom=max(map(len, turn_ids)) + 1)
         eos = lm.eos_token_ids
         close = lm.tokenizer(template.close, add_special_tokens=False).input_ids
+        # a turn arrives with the last reply's unfed token and the template's end of that reply
+        cache = new_cache(lm, policy, budget, settings, headroom=max(map(len, turn_ids)) + len(close) + 1)
         answers, fact_at, asked_at = {}, {}, {}
         prefill_s, first_s, step_s, pending = 0.0, None, [], []
         with torch.inference_mode(), PeakMemory(lm.device) as memory:
             for number, (turn, ids) in enumerate(zip(sample.turns, turn_ids, strict=True)):
-                # the last reply's unfed token and the template's end of the reply come before the user's turn
                 ids = pending + close + ids if number else ids
                 if "fact" in turn:
                     fact_at[turn["fact"]] = cache.layers[0].seen
