@@ -33,6 +33,7 @@ bench: install
 	$(BIN)/python benchmarks/eviction_step.py
 	$(BIN)/python benchmarks/decode_overhead.py
 	$(BIN)/python benchmarks/sweep_sharing.py
+	$(BIN)/python benchmarks/batch_throughput.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
