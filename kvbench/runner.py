@@ -139,9 +139,11 @@ def policy_budget(policy: Policy, settings: RunSettings, prompt_tokens: int, chu
 
 
 def new_cache(lm: LoadedModel, policy: Policy, budget: int | None, settings: RunSettings, headroom: int = 1,
-              growth: int = 256) -> KVCache:
-    return KVCache(lm.num_layers, (1, lm.kv_heads, lm.head_dim), policy, budget, evict_every=settings.evict_every,
-                   headroom=headroom, growth=growth, limit_bytes=settings.kv_limit_bytes)
+              growth: int = 256, left_padding: torch.Tensor | None = None) -> KVCache:
+    batch = 1 if left_padding is None else len(left_padding)
+    return KVCache(lm.num_layers, (batch, lm.kv_heads, lm.head_dim), policy, budget, evict_every=settings.evict_every,
+                   headroom=headroom, growth=growth, limit_bytes=settings.kv_limit_bytes,
+                   left_padding=left_padding if left_padding is not None and int(left_padding.max()) else None)
 
 
 def decode(lm: LoadedModel, cache: KVCache, logits: torch.Tensor, max_new_tokens: int, eos: set[int],
@@ -282,10 +284,8 @@ def generate_batch(lm: LoadedModel, policy: Policy, prompts: list[list[int]], se
     chunked = settings.prefill == "chunked"
     budget = policy_budget(policy, settings, longest, chunked)
     chunk = settings.prefill_chunk if chunked else longest
-    cache = KVCache(lm.num_layers, (batch, lm.kv_heads, lm.head_dim), policy, budget,
-                    evict_every=settings.evict_every, headroom=max(settings.evict_every, chunk if chunked else 1),
-                    growth=max_new_tokens, limit_bytes=settings.kv_limit_bytes,
-                    left_padding=padding if int(padding.max()) else None)
+    cache = new_cache(lm, policy, budget, settings, headroom=max(settings.evict_every, chunk if chunked else 1),
+                      growth=max_new_tokens, left_padding=padding)
     eos = torch.tensor(sorted(lm.eos_token_ids if eos_token_ids is None else eos_token_ids) or [-1])
     with PeakMemory(lm.device) as memory:
         clock = Stopwatch(lm.device)
