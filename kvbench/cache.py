@@ -322,6 +322,7 @@ class KVCache(Cache):
             if padding is not None:  # a batch's padding goes first, whatever the policy protects
                 scores = scores.masked_fill(padding, float("-inf"))
             evicted = scores.topk(excess, dim=-1, largest=False, sorted=False).indices
+            self.policy.fold(layer, evicted)
             layer.evict(evicted)
             self.evictions += evicted.numel()
 

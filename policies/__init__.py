@@ -7,6 +7,7 @@ from kvbench.policies import (  # noqa: F401
     full,
     h2o,
     knorm,
+    merge,
     pyramidkv,
     random,
     scissorhands,

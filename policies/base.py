@@ -43,6 +43,10 @@ class Policy:
         of `score()` per head."""
         return None
 
+    def fold(self, layer: LayerKV, evicted: torch.Tensor) -> None:
+        """Called before the slots `evicted` `[batch, heads, e]` leave: a merging policy folds them into
+        entries that stay. Dropping them (the default) needs nothing."""
+
     def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
         """Entries per KV head for each layer; the total is `num_layers x budget`."""
         return [budget] * num_layers
