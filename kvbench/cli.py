@@ -640,9 +640,10 @@ def policies(plugins: str | None = PLUGINS) -> None:
     for name in POLICIES.names():
         cls = POLICIES.get(name)
         params = ", ".join(f"{k}={v}" for k, v in cls.params().items()) or "-"
-        rows.append((name, "+".join(cls.phases) or "-", "yes" if cls.needs_attention else "no", params,
+        rows.append((name, cls.family, "+".join(cls.phases) or "-", "yes" if cls.needs_attention else "no", params,
                      first_line(cls)))
-    _listing("policies", ("name", "phases", "needs attention", "parameters (defaults)", "what it does"), rows)
+    _listing("policies", ("name", "family", "phases", "needs attention", "parameters (defaults)", "what it does"),
+             rows)
 
 
 @app.command()

@@ -28,6 +28,8 @@ class Policy:
     # budget holds for the whole generation. No phase: keeps everything.
     phases: ClassVar[tuple[str, ...]] = ("prefill", "decode")
     needs_attention: ClassVar[bool] = False
+    # how it saves memory: drops entries (eviction), keeps every token in fewer bytes or entries (compression)
+    family: ClassVar[str] = "eviction"
 
     def observe(
         self, layer: LayerKV, query: torch.Tensor, key: torch.Tensor, scaling: float, phase: str

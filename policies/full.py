@@ -12,3 +12,4 @@ class Full(Policy):
 
     name = "full"
     phases = ()
+    family = "none"

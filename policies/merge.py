@@ -19,6 +19,7 @@ class Merge(Policy):
     stays represented in some entry."""
 
     name = "merge"
+    family = "compression"
     recent: int = 32
     sinks: int = 4  # the first tokens stay unmerged: attention sinks (StreamingLLM) lose their role when averaged
     target: Literal["pool", "similar"] = "pool"

@@ -22,7 +22,8 @@ def test_version_and_help():
 def test_policies_lists_every_policy_with_phase_and_params():
     result = runner.invoke(app, ["policies"])
     assert result.exit_code == 0
-    for name in ("full", "window", "streaming_llm", "h2o", "snapkv", "random", "recent_ratio", "prefill+decode"):
+    for name in ("full", "window", "streaming_llm", "h2o", "snapkv", "random", "recent_ratio", "prefill+decode",
+                 "merge", "compression", "eviction"):
         assert name in result.output
 
 
