@@ -4,6 +4,7 @@ batch) that completes prefill and a few decode steps, found by doubling then bis
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -82,7 +83,7 @@ def capacity(lm: LoadedModel, policy: Policy, settings: RunSettings, search: Lit
         try:
             with contextlib.nullcontext() if unlimited else memory_pressure(lm.device, pressure, limit_bytes) \
                     as kv_limit:
-                limited = settings if kv_limit is None else _with_limit(settings, kv_limit)
+                limited = settings if kv_limit is None else dataclasses.replace(settings, kv_limit_bytes=kv_limit)
                 _, measured = generate_batch(lm, policy, prompts, limited, max_new_tokens=decode_steps + 1,
                                              eos_token_ids=set())
         except torch.OutOfMemoryError:
@@ -94,8 +95,3 @@ def capacity(lm: LoadedModel, policy: Policy, settings: RunSettings, search: Lit
     start = 1 if search == "batch" else 16  # short contexts cost little: doubling gets to long ones in a few steps
     return largest_fitting(fits, start, bound)
 
-
-def _with_limit(settings: RunSettings, kv_limit: int) -> RunSettings:
-    import dataclasses
-
-    return dataclasses.replace(settings, kv_limit_bytes=kv_limit)

@@ -175,11 +175,14 @@ class PeakMemory:
             self._nvml, self.device_note = None, "no GPU"
             self.baseline_bytes = self._process.memory_info().rss
             read = lambda: (self._process.memory_info().rss,)  # noqa: E731
-        self._sampler = Sampler(read, self.rate_hz, keep=traces is not None).start()
+        # on a GPU without NVML the allocator's own peak is exact: sample only for a trace
+        needed = self.device.type != "cuda" or self._nvml is not None or traces is not None
+        self._sampler = Sampler(read, self.rate_hz, keep=traces is not None).start() if needed else None
         return self
 
     def __exit__(self, *exc) -> None:
-        self._sampler.stop()
+        if self._sampler:
+            self._sampler.stop()
         if self.device.type == "cuda":
             synchronize(self.device)
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
@@ -190,6 +193,6 @@ class PeakMemory:
         else:
             self.peak_bytes = int(self._sampler.peak)
         traces = _TRACES.get()
-        if traces is not None:
+        if traces is not None and self._sampler:
             columns = ["seconds", "device_used", "gpu_util", "power_w"] if self._nvml else ["seconds", "bytes"]
             traces.append({"columns": columns, "rows": self._sampler.series})

@@ -214,15 +214,16 @@ def generate(lm: LoadedModel, policy: Policy, context_ids: list[int], question_i
 
 
 def timings(prompt_tokens: int, prefill_s: float, ttft_s: float | None, step_s: list[float],
-            generated_tokens: int | None = None) -> dict[str, Any]:
-    """The record's speed columns; `step_s` are the decode steps after the first token."""
+            generated_tokens: int | None = None, rows: int = 1) -> dict[str, Any]:
+    """The record's speed columns; `step_s` are the decode steps after the first token, each decoding one
+    token for each of `rows` sequences."""
     return {
         "prompt_tokens": prompt_tokens,
         "generated_tokens": len(step_s) + 1 if generated_tokens is None else generated_tokens,
         "ttft_s": ttft_s,
         "tpot_s": statistics.median(step_s) if step_s else None,
         "prefill_tok_s": prompt_tokens / prefill_s,
-        "decode_tok_s": len(step_s) / sum(step_s) if step_s else None,
+        "decode_tok_s": rows * len(step_s) / sum(step_s) if step_s else None,
     }
 
 
@@ -304,18 +305,18 @@ def generate_batch(lm: LoadedModel, policy: Policy, prompts: list[list[int]], se
             tokens.append(logits.argmax(-1).cpu())
             done |= torch.isin(tokens[-1], eos)
             step_s.append(clock.lap())
+    ends = set(eos.tolist())
     rows = []
     for row in torch.stack(tokens, dim=1).tolist():
-        ends = [i for i, t in enumerate(row) if t in set(eos.tolist())]
-        rows.append(row[: ends[0]] if ends else row)
+        stops = [i for i, t in enumerate(row) if t in ends]
+        rows.append(row[: stops[0]] if stops else row)
     measurements = {
-        **timings(longest * batch, prefill_s, prefill_s + first_s, step_s, generated_tokens=sum(map(len, rows))),
+        **timings(longest * batch, prefill_s, prefill_s + first_s, step_s, generated_tokens=sum(map(len, rows)),
+                  rows=batch),
         "batch": batch,
         "budget_tokens": budget,
         **cache_measurements(cache, memory),
     }
-    if step_s:  # a step decodes one token for every row
-        measurements["decode_tok_s"] = batch * len(step_s) / sum(step_s)
     return rows, measurements
 
 
