@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvbench.errors import KvbenchError
 from kvbench.measure import synchronize
-from kvbench.policies.base import Policy
+
+if TYPE_CHECKING:
+    from kvbench.policies.base import Policy
 
 
 @dataclass
@@ -67,12 +71,16 @@ class LayerKV(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        new = key_states.shape[-2]
-        end = self.length + new
-        if self.keys is None or end > self.capacity:
+        start = self._append(key_states.shape[-2])
+        self.keys[:, :, start : self.length] = key_states
+        self.values[:, :, start : self.length] = value_states
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
+    def _append(self, new: int) -> int:
+        """Slots, positions and zeroed statistics for `new` tokens; returns the first new slot."""
+        start, end = self.length, self.length + new
+        if end > self.capacity:
             self._reallocate(self.owner.capacity_for(end, self.layer_idx))
-        self.keys[:, :, self.length : end] = key_states
-        self.values[:, :, self.length : end] = value_states
         positions = torch.arange(self.seen, self.seen + new, device=self.device)
         pad = self.owner.left_padding
         if pad is not None:  # a left-padded batch: each row's tokens count from its first real one
@@ -85,7 +93,7 @@ class LayerKV(CacheLayerMixin):
             self.slot_stats[PADDING][:, :, self.length : end] = self.positions[:, :, self.length : end] < 0
         self.length, self.seen = end, self.seen + new
         self.max_held = max(self.max_held, end)
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        return start
 
     def get_seq_length(self) -> int:
         return self.length
@@ -95,7 +103,7 @@ class LayerKV(CacheLayerMixin):
         self.lazy_initialization(other.keys, other.values)
         self._reallocate(self.owner.capacity_for(other.length, self.layer_idx))
         self.length, self.seen, self.max_held = other.length, other.seen, other.max_held
-        pairs = [(self.keys, other.keys), (self.values, other.values), (self.positions, other.positions)]
+        pairs = [(self.positions, other.positions)]
         for name in stats:
             if name in other.slot_stats:
                 theirs = other.slot_stats[name]
@@ -103,6 +111,11 @@ class LayerKV(CacheLayerMixin):
                 pairs.append((self.slot_stat(name, width, theirs.dtype), theirs))
         for mine, theirs in pairs:
             mine[:, :, : self.length] = theirs[:, :, : self.length]
+        self._adopt_entries(other)
+
+    def _adopt_entries(self, other: LayerKV) -> None:
+        self.keys[:, :, : self.length] = other.keys[:, :, : self.length]
+        self.values[:, :, : self.length] = other.values[:, :, : self.length]
 
     def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
         # transformers < 5.2x passes `cache_position` (a tensor) instead of the query length
@@ -120,6 +133,17 @@ class LayerKV(CacheLayerMixin):
 
     def live_keys(self) -> torch.Tensor:
         return self.keys[:, :, : self.length]
+
+    def entry_bytes(self) -> int:
+        """Bytes of one slot of one KV head (its key and value)."""
+        return 2 * self.owner.batch_heads_dim[2] * self.dtype.itemsize
+
+    def physical_bytes(self) -> int:
+        batch, heads, _ = self.owner.batch_heads_dim
+        return self.capacity * batch * heads * self.entry_bytes()
+
+    def live_bytes(self) -> int:
+        return self.live_entries() * self.entry_bytes()
 
     def live_positions(self) -> torch.Tensor:
         return self.positions[:, :, : self.length]
@@ -143,6 +167,8 @@ class LayerKV(CacheLayerMixin):
 
     def live_entries(self) -> int:
         """Entries held over all heads (padding slots excluded)."""
+        if self.positions is None:  # initialized, buffers not allocated yet
+            return 0
         padding = self.padding()
         held = self.positions.shape[0] * self.positions.shape[1] * self.length
         return held - (0 if padding is None else int(padding.sum()))
@@ -170,7 +196,7 @@ class LayerKV(CacheLayerMixin):
         batch, heads, head_dim = self.owner.batch_heads_dim
         old = None if self.keys is None else self._buffers()
         kv_shape = (batch, heads, capacity, head_dim)
-        self.owner.note_allocation(capacity)
+        self.owner.note_allocation(capacity * batch * heads * self.entry_bytes())
         self.keys = torch.empty(kv_shape, dtype=self.dtype, device=self.device)
         self.values = torch.empty(kv_shape, dtype=self.dtype, device=self.device)
         self.positions = torch.zeros(kv_shape[:3], dtype=torch.long, device=self.device)
@@ -262,8 +288,13 @@ class KVCache(Cache):
         self.observe_seconds: dict[str, float] = {}
         self.phase = "prefill"
         self.evictions = 0
-        self.peak_slots = 0
-        super().__init__(layers=[LayerKV(self, i) for i in range(num_layers)])
+        self.peak_bytes = 0
+        layout = policy.layout()  # compressed storage, or None: plain slots in the model dtype
+        if layout is not None:
+            if batch_heads_dim[0] > 1:
+                raise KvbenchError(f"policy '{policy.name}': compressed storage runs at batch 1")
+            layout.fit(batch_heads_dim[2])
+        super().__init__(layers=[layout.layer(self, i) if layout else LayerKV(self, i) for i in range(num_layers)])
 
     def capacity_for(self, live: int, layer_idx: int) -> int:
         """Slots a layer's buffer gets when it must hold `live` entries."""
@@ -272,15 +303,19 @@ class KVCache(Cache):
             return max(live, self.layer_budgets[layer_idx] + self.headroom)
         return live + self.growth
 
-    def note_allocation(self, new_slots: int) -> None:
+    def note_allocation(self, new_bytes: int) -> None:
         """Called before a layer's buffers are replaced: old and new coexist for a moment, count both."""
-        allocated = sum(layer.capacity for layer in self.layers)
-        self.peak_slots = max(self.peak_slots, allocated + new_slots)
-        if self.limit_bytes is not None:
-            batch, heads, head_dim = self.batch_heads_dim
-            needed = (allocated + new_slots) * 2 * batch * heads * head_dim * self.layers[0].dtype.itemsize
-            if needed > self.limit_bytes:
-                raise torch.OutOfMemoryError(f"KV cache needs {needed} bytes, over the limit of {self.limit_bytes}")
+        needed = self.physical_bytes() + new_bytes
+        self.peak_bytes = max(self.peak_bytes, needed)
+        if self.limit_bytes is not None and needed > self.limit_bytes:
+            raise torch.OutOfMemoryError(f"KV cache needs {needed} bytes, over the limit of {self.limit_bytes}")
+
+    def note_transient(self, nbytes: int) -> None:
+        """A decoded copy of one layer's entries, alive while that layer attends (compressed storage)."""
+        self.peak_bytes = max(self.peak_bytes, self.physical_bytes() + nbytes)
+
+    def physical_bytes(self) -> int:
+        return sum(layer.physical_bytes() for layer in self.layers if layer.is_initialized)
 
     def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
         """Called by the kvbench attention function after each layer's attention (see attention.py)."""
@@ -330,22 +365,20 @@ class KVCache(Cache):
         return self.layers[layer_idx].padding()
 
     def live_bytes(self) -> int:
-        head_dim = self.batch_heads_dim[2]
-        return sum(2 * head_dim * layer.live_entries() * layer.keys.element_size()
-                   for layer in self.layers if layer.keys is not None)
+        return sum(layer.live_bytes() for layer in self.layers if layer.is_initialized)
 
     def stats(self) -> CacheStats:
         batch, heads, head_dim = self.batch_heads_dim
         layers = [layer for layer in self.layers if layer.is_initialized]
-        slot_bytes = 2 * batch * heads * head_dim * layers[0].keys.element_size() if layers else 0
+        full_slot = 2 * batch * heads * head_dim * layers[0].dtype.itemsize if layers else 0
         lengths = [layer.length for layer in layers] or [0]
         per_head = [layer.live_entries() / (batch * heads) for layer in layers] or [0]
-        physical = sum(layer.capacity for layer in layers)
+        physical = self.physical_bytes()
         return CacheStats(
-            kv_bytes_live=round(sum(per_head) * slot_bytes),
-            kv_bytes_physical=physical * slot_bytes,
-            kv_bytes_peak=max(self.peak_slots, physical) * slot_bytes,
-            kv_bytes_full=sum(layer.seen for layer in layers) * slot_bytes,
+            kv_bytes_live=self.live_bytes(),
+            kv_bytes_physical=physical,
+            kv_bytes_peak=max(self.peak_bytes, physical),
+            kv_bytes_full=sum(layer.seen for layer in layers) * full_slot,
             kept_mean=sum(per_head) / len(per_head),
             kept_max=max(lengths),
             kept_max_ever=max((layer.max_held for layer in layers), default=0),

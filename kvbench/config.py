@@ -56,6 +56,30 @@ class TimingConfig(Strict):
     repeats: int = Field(3, ge=1)
 
 
+class PolicySpec(NamedSpec):
+    """A policy; `budgets:` (or `budget:`) gives it its own budgets instead of the sweep's, e.g. to set a
+    hybrid policy beside a compression one at equal bytes."""
+
+    budgets: list[int | float] | None = Field(None, min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_budget(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "budget" in value:
+            if "budgets" in value:
+                raise ValueError("give 'budget' or 'budgets', not both")
+            value = {**value, "budgets": [value["budget"]]}
+            del value["budget"]
+        return value
+
+    @field_validator("budgets")
+    @classmethod
+    def _budgets(cls, budgets: list[int | float] | None) -> list[int | float] | None:
+        for budget in budgets or []:
+            _checked(check_budget, budget)
+        return budgets
+
+
 class TaskSpec(NamedSpec):
     samples: int | None = Field(None, gt=0)  # this task's samples, instead of the sweep's
 
@@ -67,7 +91,7 @@ def _named(value: Any) -> Any:
 class SweepConfig(Strict):
     name: str
     model: ModelConfig = ModelConfig()
-    policies: list[NamedSpec] = Field(min_length=1)
+    policies: list[PolicySpec] = Field(min_length=1)
     budgets: list[int | float] = Field(min_length=1)
     context_lengths: list[int] = Field(min_length=1)
     tasks: list[TaskSpec] = Field(min_length=1)
@@ -144,7 +168,7 @@ class SweepConfig(Strict):
                         built.check_settings(chunked=self.prefill.mode == "chunked")
                     except KvbenchError as exc:
                         raise _Located((field, index, "name"), str(exc)) from None
-                    for budget in self.budgets:
+                    for budget in spec.budgets or self.budgets:
                         if built.phases and isinstance(budget, int):
                             try:
                                 built.check_budget(budget)
@@ -161,6 +185,9 @@ class SweepConfig(Strict):
         for task in relevant["tasks"]:
             if task["samples"] is None:
                 del task["samples"]
+        for policy in relevant["policies"]:
+            if policy["budgets"] is None:
+                del policy["budgets"]
         for key in ("timing", "pressure", "memory_limit"):
             if relevant[key] is None:
                 del relevant[key]

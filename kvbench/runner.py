@@ -358,6 +358,7 @@ def evaluate(lm: LoadedModel, task: Task, policy: Policy, sample: Sample, settin
         "model": lm.spec,
         "task": task.describe(),
         "policy": policy.describe(),
+        "family": policy.kind,
         "budget": settings.budget if policy.phases else None,
         "context_length": context_length,
         "sample_id": sample.id,

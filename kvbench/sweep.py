@@ -66,14 +66,15 @@ class Cell:
 
 
 def expand(config: SweepConfig) -> list[Cell]:
-    """The grid: tasks x context lengths x question placements x policies x budgets (`full` once)."""
+    """The grid: tasks x context lengths x question placements x policies x budgets (once for a policy that
+    keeps every token)."""
     cells = []
     for task in config.tasks:
         for length in config.context_lengths:
             for question in config.question:
                 for policy in config.policies:
-                    is_full = not POLICIES.get(policy.name).phases
-                    for budget in [None] if is_full else config.budgets:
+                    keeps_all = not POLICIES.get(policy.name).phases  # full, or a compression that drops nothing
+                    for budget in [None] if keeps_all else policy.budgets or config.budgets:
                         cells.append(Cell({
                             "model": {"id": config.model.id, "dtype": config.model.dtype},
                             "task": task.canonical(),

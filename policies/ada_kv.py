@@ -22,6 +22,7 @@ class AdaKV(Policy):
     _base: Policy = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 0.0 <= self.alpha <= 1.0:
             raise KvbenchError(f"policy 'ada_kv' parameter 'alpha' must be in [0, 1], got {self.alpha}")
         self._base = build_spec(self.base)

@@ -25,6 +25,7 @@ class Adaptive(Policy):
     _switched_at: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.limit_bytes is not None and self.limit_bytes <= 0:
             raise KvbenchError(f"policy 'adaptive' parameter 'limit_bytes' must be positive, got {self.limit_bytes}")
         if not 0 < self.limit_fraction <= 1:

@@ -3,6 +3,9 @@
 A policy never touches storage. The cache calls `observe()` after each attention (only when the
 policy `needs_attention`) and, when it must evict, `score()`: the entries with the highest scores
 are kept, `budget` of them per KV head. Entries a policy must never evict get `+inf`.
+
+A compression policy (quant, mixed_precision, lowrank) returns a storage `layout()` instead; any eviction
+policy takes one with `storage:` (`{name: h2o, storage: {quant: {bits: 4}}}`): fewer tokens, fewer bits.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from kvbench.registry import Registry, declared_params
 
 if TYPE_CHECKING:
     from kvbench.cache import KVCache, LayerKV
+    from kvbench.storage import Layout
 
 PHASES = ("prefill", "decode")
 
@@ -30,6 +34,25 @@ class Policy:
     needs_attention: ClassVar[bool] = False
     # how it saves memory: drops entries (eviction), keeps every token in fewer bytes or entries (compression)
     family: ClassVar[str] = "eviction"
+    # the kept entries stored compressed: a storage policy's name, or {name: {params}}
+    storage: str | dict[str, Any] | None = dataclasses.field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if self.storage is not None and type(self).layout is not Policy.layout:
+            raise KvbenchError(f"policy '{self.name}' is a storage itself; it takes no storage")
+        if self.storage is not None and not self.phases:
+            raise KvbenchError(f"policy '{self.name}' keeps every entry as is; to compress them all, run the "
+                               f"storage policy itself")
+        self._storage = None if self.storage is None else storage_policy(self.storage, self.name)
+
+    def layout(self) -> Layout | None:
+        """How the cache stores the entries: None for plain slots in the model dtype."""
+        return None if self._storage is None else self._storage.layout()
+
+    @property
+    def kind(self) -> str:
+        """This instance's family: an eviction policy given a storage is a hybrid."""
+        return "hybrid" if self.storage is not None else self.family
 
     def observe(
         self, layer: LayerKV, query: torch.Tensor, key: torch.Tensor, scaling: float, phase: str
@@ -84,7 +107,9 @@ class Policy:
         return declared_params(cls)
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, **{key: getattr(self, key) for key in self.params()}}
+        # an unset storage is left out, so descriptions (and statistic names) predating it are unchanged
+        return {"name": self.name, **{key: getattr(self, key) for key in self.params()
+                                      if key != "storage" or self.storage is not None}}
 
     def observers(self) -> list[Policy]:
         """The policies whose `observe` must run for this one: itself, or a wrapper's stages."""
@@ -113,6 +138,21 @@ def build_spec(spec: str | dict[str, Any]) -> Policy:
     if "name" not in spec:
         raise KvbenchError(f"a policy mapping needs a 'name': {spec}")
     return POLICIES.build(spec.pop("name"), spec)
+
+
+def storage_policy(spec: str | dict[str, Any], owner: str) -> Policy:
+    """The compression policy a `storage:` option names: `quant` or `{quant: {bits: 4}}`."""
+    if isinstance(spec, dict) and len(spec) == 1:
+        (name, params), = spec.items()
+    elif isinstance(spec, str):
+        name, params = spec, {}
+    else:
+        raise KvbenchError(f"policy '{owner}': storage must be a name or {{name: {{params}}}}, got {spec!r}")
+    policy = POLICIES.build(name, params or {})
+    if type(policy).layout is Policy.layout:
+        storages = ", ".join(n for n in POLICIES.names() if POLICIES.get(n).layout is not Policy.layout)
+        raise KvbenchError(f"policy '{owner}': storage '{name}' is not a storage policy (use {storages})")
+    return policy
 
 
 def recent_mask(layer: LayerKV, count: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ class Compose(Policy):
     _stages: tuple[Policy, Policy] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         first, then = build_spec(self.prefill), build_spec(self.decode)
         if not first.phases:
             raise KvbenchError(f"policy '{self.name}': prefill policy '{first.name}' does not compress")

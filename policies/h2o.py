@@ -19,6 +19,7 @@ class H2O(Policy):
     recent_ratio: float = 0.5  # share of the budget kept for the most recent tokens
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 0.0 <= self.recent_ratio <= 1.0:
             raise KvbenchError(f"policy 'h2o' parameter 'recent_ratio' must be in [0, 1], got {self.recent_ratio}")
 

@@ -25,6 +25,9 @@ class Merge(Policy):
     target: Literal["pool", "similar"] = "pool"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.storage is not None:
+            raise KvbenchError("policy 'merge' averages entries in the model dtype; it takes no storage")
         if self.recent < 0 or self.sinks < 0 or self.target not in ("pool", "similar"):
             raise KvbenchError(f"policy 'merge': recent >= 0, sinks >= 0 and target pool or similar, got "
                                f"{self.recent}, {self.sinks}, '{self.target}'")

@@ -20,6 +20,7 @@ class Scissorhands(Policy):
     recent: int = 16  # the newest entries are never evicted
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         positive("scissorhands", history=self.history)
         if self.recent < 0:
             raise KvbenchError(f"policy 'scissorhands' parameter 'recent' must be >= 0, got {self.recent}")

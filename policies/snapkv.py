@@ -24,6 +24,7 @@ class SnapKV(Policy):
     pooling: Literal["max", "avg"] = "max"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         positive("snapkv", window=self.window, kernel=self.kernel)
         if self.kernel % 2 == 0:
             raise KvbenchError(f"policy 'snapkv' parameter 'kernel' must be odd, got {self.kernel}")

@@ -17,6 +17,7 @@ class StreamingLLM(Policy):
     sinks: int = 4
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.sinks < 0:
             raise KvbenchError(f"policy 'streaming_llm' parameter 'sinks' must be >= 0, got {self.sinks}")
 

@@ -1,0 +1,184 @@
+"""How one tensor of cached entries (keys or values) is stored: as is, quantized and bit-packed, or as
+coefficients on a low-rank basis.
+
+A codec turns entries `[B, H, n, D]` into per-slot fields `{name: [B, H, n, ...]}` (which move with their
+slots when the cache evicts) and back. Some keep a layer-wide table beside the slots: KIVI's per-channel
+key scales (one row per group of tokens) or a low-rank basis. Each layer gets its own codec instances.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+Fields = dict[str, torch.Tensor]
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """`[..., D]` integer codes below 2**bits -> `[..., D * bits / 8]` uint8, 8 / bits codes per byte."""
+    per_byte = 8 // bits
+    grouped = codes.to(torch.uint8).reshape(*codes.shape[:-1], -1, per_byte)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    return (grouped << shifts).sum(-1, dtype=torch.uint8)  # disjoint bit fields: the sum is their OR
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of `pack`: `[..., D]` uint8 codes."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    return ((packed[..., None] >> shifts) & (2**bits - 1)).reshape(*packed.shape[:-1], -1)
+
+
+def quantize(x: torch.Tensor, low: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """Asymmetric round-to-nearest codes of `x` on the grid `low + k * scale`, k in [0, 2**bits - 1]."""
+    return ((x.float() - low.float()) / scale.float()).round_().clamp_(0, 2**bits - 1)
+
+
+def grid(low: torch.Tensor, high: torch.Tensor, bits: int) -> torch.Tensor:
+    """The step of a `bits`-bit grid spanning [low, high] (never zero, so a constant group still divides)."""
+    return ((high.float() - low.float()) / (2**bits - 1)).clamp_(min=1e-8)
+
+
+@dataclass
+class Codec:
+    """Stores entries as they are (the model dtype): the full-precision tier."""
+
+    def fields(self, head_dim: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Per-slot field name -> (trailing shape, dtype)."""
+        return {"x": ((head_dim,), dtype)}
+
+    def encode(self, x: torch.Tensor, positions: torch.Tensor, chosen: torch.Tensor) -> Fields:
+        """Fields for every slot of `x` `[B, H, n, D]`; only the `chosen` ones `[B, H, n]` are kept by the caller
+        (a codec with a table fills it from those alone)."""
+        return {"x": x}
+
+    def decode(self, fields: Fields, positions: torch.Tensor) -> torch.Tensor:
+        return fields["x"]
+
+    def table_bytes(self, positions: torch.Tensor | None = None, held: torch.Tensor | None = None) -> int:
+        """Bytes of the layer-wide table: all of it, or the part the `held` `[B, H, n]` slots at `positions` use."""
+        return 0
+
+    def entry_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
+        return sum(math.prod(shape) * kind.itemsize for shape, kind in self.fields(head_dim, dtype).values())
+
+
+@dataclass
+class TokenQuant(Codec):
+    """Each token quantized on its own: `bits`-bit codes, one scale and zero-point per `group` channels (KIVI's
+    values; mixed precision's keys and values)."""
+
+    bits: int = 4
+    group: int = 32
+
+    def fields(self, head_dim: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        groups = head_dim // self.group
+        return {"codes": ((head_dim * self.bits // 8,), torch.uint8), "low": ((groups,), dtype),
+                "scale": ((groups,), dtype)}
+
+    def encode(self, x: torch.Tensor, positions: torch.Tensor, chosen: torch.Tensor) -> Fields:
+        grouped = x.unflatten(-1, (-1, self.group))
+        low, high = grouped.aminmax(dim=-1)
+        low, scale = low.to(x.dtype), grid(low, high, self.bits).to(x.dtype)
+        codes = quantize(grouped, low[..., None], scale[..., None], self.bits).flatten(-2)
+        return {"codes": pack(codes, self.bits), "low": low, "scale": scale}
+
+    def decode(self, fields: Fields, positions: torch.Tensor) -> torch.Tensor:
+        codes = unpack(fields["codes"], self.bits).unflatten(-1, (-1, self.group)).float()
+        x = codes * fields["scale"].float()[..., None] + fields["low"].float()[..., None]
+        return x.flatten(-2).to(fields["low"].dtype)
+
+
+@dataclass
+class ChannelQuant(Codec):
+    """KIVI's keys: each channel quantized over a group of `group` consecutive tokens (keys have outlier
+    channels, so a per-channel range keeps the others fine). The scales and zero-points are a table with one
+    row per token group (row = position // group), beside the slots; a group's row is set when it is encoded."""
+
+    bits: int = 4
+    group: int = 32
+    low: torch.Tensor | None = field(default=None, repr=False)  # [B, H, groups, D]
+    scale: torch.Tensor | None = field(default=None, repr=False)
+
+    def fields(self, head_dim: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"codes": ((head_dim * self.bits // 8,), torch.uint8)}
+
+    def encode(self, x: torch.Tensor, positions: torch.Tensor, chosen: torch.Tensor) -> Fields:
+        rows = positions // self.group
+        needed = int(rows.max()) + 2  # the last row takes the reductions of the slots not chosen
+        self._grow(needed - 1, x)
+        target = torch.where(chosen, rows, needed - 1)[..., None].expand_as(x)
+        low = torch.full(self.low.shape[:2] + (needed, x.shape[-1]), float("inf"), device=x.device)
+        high = torch.full_like(low, float("-inf"))
+        low.scatter_reduce_(2, target, x.float(), "amin")
+        high.scatter_reduce_(2, target, x.float(), "amax")
+        touched = torch.isfinite(low[:, :, : needed - 1])
+        self.low[:, :, : needed - 1] = torch.where(touched, low[:, :, : needed - 1], self.low[:, :, : needed - 1])
+        self.scale[:, :, : needed - 1] = torch.where(
+            touched, grid(low[:, :, : needed - 1], high[:, :, : needed - 1], self.bits), self.scale[:, :, : needed - 1])
+        codes = quantize(x, *self._rows(positions), self.bits)
+        return {"codes": pack(codes, self.bits)}
+
+    def decode(self, fields: Fields, positions: torch.Tensor) -> torch.Tensor:
+        low, scale = self._rows(positions)
+        return (unpack(fields["codes"], self.bits).float() * scale.float() + low.float()).to(self.low.dtype)
+
+    def table_bytes(self, positions: torch.Tensor | None = None, held: torch.Tensor | None = None) -> int:
+        if self.low is None:
+            return 0
+        row_bytes = 2 * self.low.shape[-1] * self.low.element_size()
+        if held is None:
+            return self.low.shape[:3].numel() * row_bytes
+        used = torch.zeros(self.low.shape[:3], dtype=torch.bool, device=self.low.device)
+        used.scatter_(2, (positions // self.group).clamp(0, self.low.shape[2] - 1), held)
+        return int(used.sum()) * row_bytes  # a row counts once, however many of its tokens a head still holds
+
+    def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        index = (positions // self.group).clamp(0, self.low.shape[2] - 1)[..., None].expand(
+            *positions.shape, self.low.shape[-1])
+        return self.low.gather(2, index), self.scale.gather(2, index)
+
+    def _grow(self, rows: int, like: torch.Tensor) -> None:
+        have = 0 if self.low is None else self.low.shape[2]
+        if rows <= have:
+            return
+        rows = max(rows, 2 * have)  # amortized: the table grows by doubling
+        shape = like.shape[:2] + (rows, like.shape[-1])
+        low, scale = torch.zeros(shape, dtype=like.dtype, device=like.device), torch.ones(
+            shape, dtype=like.dtype, device=like.device)
+        if have:
+            low[:, :, :have], scale[:, :, :have] = self.low, self.scale
+        self.low, self.scale = low, scale
+
+
+@dataclass
+class LowRank(Codec):
+    """Coefficients on the top-`rank` right singular vectors of the entries first encoded (the prompt), per
+    KV head; entries encoded later are projected on the same basis. rank = head_dim reconstructs exactly."""
+
+    rank: int = 32
+    basis: torch.Tensor | None = field(default=None, repr=False)  # [B, H, D, rank], orthonormal columns
+
+    def fields(self, head_dim: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"coefficients": ((self.rank,), dtype)}
+
+    def encode(self, x: torch.Tensor, positions: torch.Tensor, chosen: torch.Tensor) -> Fields:
+        if self.basis is None:
+            self.basis = self._fit(x, chosen)
+        return {"coefficients": (x.float() @ self.basis.float()).to(x.dtype)}
+
+    def decode(self, fields: Fields, positions: torch.Tensor) -> torch.Tensor:
+        return (fields["coefficients"].float() @ self.basis.float().transpose(-1, -2)).to(self.basis.dtype)
+
+    def table_bytes(self, positions: torch.Tensor | None = None, held: torch.Tensor | None = None) -> int:
+        return 0 if self.basis is None else self.basis.numel() * self.basis.element_size()
+
+    def _fit(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        # the first encode is the prompt's: every head holds the same slots, so slot selection is shared
+        prompt = x[:, :, chosen[0, 0]].float()
+        directions = torch.linalg.svd(prompt, full_matrices=False).Vh.transpose(-1, -2)  # [B, H, D, min(n, D)]
+        basis = torch.zeros(*x.shape[:2], x.shape[-1], self.rank, device=x.device)
+        kept = min(self.rank, directions.shape[-1])  # a prompt shorter than the rank spans fewer directions
+        basis[..., :kept] = directions[..., :kept]
+        return basis.to(x.dtype)

@@ -1,0 +1,221 @@
+"""Compressed cache storage: every token kept, in fewer bytes than the model dtype, in tiers by age.
+
+A `Layout` lists tiers from the newest tokens to the oldest. Each tier but the last holds a fixed number of
+recent tokens, rounded up to whole `group`s, in a ring indexed by position (no slot moves as tokens age);
+the last holds every older token in the cache's movable slots, so an eviction policy composed with a storage
+evicts compressed entries exactly as it evicts plain ones. Tokens move to the next tier `group` at a time
+(KIVI quantizes keys over groups of tokens, so a group is encoded whole).
+
+Attention reads a decoded copy of the layer (no fused dequantizing kernel here): one layer's full-precision
+K/V exists during its attention, and `kv_bytes_peak` counts it. A layer without a layout never comes here.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.cache import LayerKV, _expand, _take
+from kvbench.codecs import ChannelQuant, Codec, Fields, LowRank, TokenQuant
+from kvbench.errors import KvbenchError
+
+
+@dataclass
+class Tier:
+    keys: Codec
+    values: Codec
+    tokens: int | None = None  # recent tokens it holds; None: the oldest tier, holding the rest
+
+
+@dataclass
+class Layout:
+    """How a policy stores entries; `group` is the granularity at which tokens age from tier to tier."""
+
+    name: str
+    tiers: list[Tier]
+    group: int = 1
+
+    def fit(self, head_dim: int) -> None:
+        """Check the codecs against the model's head_dim; a channel group wider than a head becomes the head."""
+        for tier in self.tiers:
+            for codec in (tier.keys, tier.values):
+                if isinstance(codec, TokenQuant):
+                    codec.group = min(codec.group, head_dim)
+                if isinstance(codec, TokenQuant) and head_dim % codec.group:
+                    raise KvbenchError(f"{self.name}: group_size {codec.group} does not divide head_dim {head_dim}")
+                if isinstance(codec, (TokenQuant, ChannelQuant)) and head_dim * codec.bits % 8:
+                    raise KvbenchError(f"{self.name}: {codec.bits}-bit codes of head_dim {head_dim} fill no whole byte")
+                if isinstance(codec, LowRank) and not 0 < codec.rank <= head_dim:
+                    raise KvbenchError(f"{self.name}: rank must be in [1, head_dim={head_dim}], got {codec.rank}")
+
+    def layer(self, owner, layer_idx: int) -> StoredLayerKV:
+        return StoredLayerKV(owner, layer_idx, copy.deepcopy(self))  # codecs keep per-layer tables
+
+
+class StoredLayerKV(LayerKV):
+    """A layer whose entries are stored by a `Layout`. Policies see the same slots, positions and statistics
+    as on a plain layer; `live_keys()` decodes."""
+
+    def __init__(self, owner, layer_idx: int, layout: Layout) -> None:
+        super().__init__(owner, layer_idx)
+        self.layout = layout
+        self.final = layout.tiers[-1]
+        self.fields: Fields = {}  # the oldest tier's per-slot fields, "keys.<name>" / "values.<name>"
+        self.rings: list[Fields] = []  # each younger tier's ring, one cell per position modulo its size (+1 spare)
+        self.ring_sizes = [_round_up(t.tokens, layout.group) + (layout.group if i == 0 else 0)
+                           for i, t in enumerate(layout.tiers[:-1])]
+        self.starts = [0] * len(self.ring_sizes)  # first position of each younger tier, newest first
+
+    # --- transformers Cache layer protocol -------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        batch, heads, head_dim = self.owner.batch_heads_dim
+        self.rings = [{name: torch.zeros((batch, heads, size + 1) + shape, dtype=dtype, device=self.device)
+                       for name, (shape, dtype) in _fields(tier, head_dim, self.dtype).items()}
+                      for tier, size in zip(self.layout.tiers, self.ring_sizes, strict=False)]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        held_keys, held_values = self._decoded()
+        # the new tokens attend in full precision (as KIVI's prefill does); they are stored compressed after
+        keys, values = torch.cat((held_keys, key_states), 2), torch.cat((held_values, value_states), 2)
+        self.owner.note_transient(keys.nbytes + values.nbytes)
+        self._store(keys, values, self._append(key_states.shape[-2]))
+        return keys, values
+
+    def _adopt_entries(self, other: LayerKV) -> None:
+        self._store(other.live_keys(), other.values[:, :, : self.length], new_from=0)
+
+    # --- storage --------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return 0 if self.positions is None else self.positions.shape[-1]
+
+    def live_keys(self) -> torch.Tensor:
+        return self._decoded()[0]
+
+    def entry_bytes(self) -> int:
+        return _entry_bytes(self.final, self.owner.batch_heads_dim[2], self.dtype)
+
+    def physical_bytes(self) -> int:
+        tables = sum(codec.table_bytes() for tier in self.layout.tiers for codec in (tier.keys, tier.values))
+        rings = sum(buffer.nbytes for ring in self.rings for buffer in ring.values())
+        return super().physical_bytes() + rings + tables
+
+    def live_bytes(self) -> int:
+        positions = self.live_positions()
+        padding = self.padding()
+        held = torch.ones_like(positions, dtype=torch.bool) if padding is None else ~padding
+        tiers = self._tiers(positions)
+        total = 0
+        for index, tier in enumerate(self.layout.tiers):
+            in_tier = held & (tiers == index)
+            total += int(in_tier.sum()) * _entry_bytes(tier, self.owner.batch_heads_dim[2], self.dtype)
+            total += tier.keys.table_bytes(positions, in_tier) + tier.values.table_bytes(positions, in_tier)
+        return total
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return [self.positions, *self.fields.values(), *self.slot_stats.values()]
+
+    def _reallocate(self, capacity: int) -> None:
+        batch, heads, head_dim = self.owner.batch_heads_dim
+        old = None if self.positions is None else self._buffers()
+        self.owner.note_allocation(capacity * batch * heads * self.entry_bytes())
+        self.positions = torch.zeros((batch, heads, capacity), dtype=torch.long, device=self.device)
+        self.fields = {name: torch.zeros((batch, heads, capacity) + shape, dtype=dtype, device=self.device)
+                       for name, (shape, dtype) in _fields(self.final, head_dim, self.dtype).items()}
+        self.slot_stats = {name: torch.zeros((batch, heads, capacity) + stat.shape[3:], dtype=stat.dtype,
+                                             device=self.device) for name, stat in self.slot_stats.items()}
+        if old is not None:
+            for src, dst in zip(old, self._buffers(), strict=True):
+                dst[:, :, : self.length] = src[:, :, : self.length]
+
+    def _tiers(self, positions: torch.Tensor) -> torch.Tensor:
+        """Each slot's tier: 0 for the newest, len(ring_sizes) for the oldest."""
+        if not self.starts:
+            return torch.zeros_like(positions)
+        starts = torch.tensor(self.starts, device=positions.device)
+        return (positions[..., None] < starts).sum(-1)
+
+    def _decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The live entries in full precision, `[B, H, length, D]` each, in slot order."""
+        batch, heads, head_dim = self.owner.batch_heads_dim
+        if self.length == 0:
+            empty = torch.empty((batch, heads, 0, head_dim), dtype=self.dtype, device=self.device)
+            return empty, empty
+        positions = self.live_positions()
+        tiers = self._tiers(positions)
+        keys = values = None
+        if not self.starts or self.starts[-1] > 0:  # the oldest tier holds something
+            live = {name: buffer[:, :, : self.length] for name, buffer in self.fields.items()}
+            keys, values = _decode(self.final, live, positions)
+        bounds = [self.seen, *self.starts]
+        for index, (tier, ring, size) in enumerate(zip(self.layout.tiers, self.rings, self.ring_sizes, strict=False)):
+            if bounds[index] <= bounds[index + 1]:
+                continue  # an empty tier
+            cells = positions % size
+            tier_keys, tier_values = _decode(tier, {name: _take(buffer, cells) for name, buffer in ring.items()},
+                                             positions)
+            if keys is None:
+                keys, values = tier_keys, tier_values
+                continue
+            mine = (tiers == index)[..., None]
+            keys, values = torch.where(mine, tier_keys, keys), torch.where(mine, tier_values, values)
+        return keys, values
+
+    def _store(self, keys: torch.Tensor, values: torch.Tensor, new_from: int) -> None:
+        """Encode the slots that are new (from `new_from`) or changed tier since the last call; `keys` and
+        `values` hold every live slot in full precision."""
+        positions = self.live_positions()
+        before = self._tiers(positions)
+        self.starts, start = [], self.seen
+        for tier in self.layout.tiers[:-1]:  # each younger tier ends where the newer one starts, group-aligned
+            start = max(0, (start - tier.tokens) // self.layout.group * self.layout.group)
+            self.starts.append(start)
+        after = self._tiers(positions)
+        moved = before != after
+        first = 0 if bool(moved[..., :new_from].any()) else new_from  # usually only the new slots
+        moved[..., new_from:] = True
+        moved, after, positions = moved[..., first:], after[..., first:], positions[..., first:]
+        keys, values = keys[:, :, first:], values[:, :, first:]
+        for index, tier in enumerate(self.layout.tiers):
+            chosen = moved & (after == index)
+            if not bool(chosen.any()):
+                continue
+            encoded = {f"{kind}.{name}": field for kind, codec, x in (("keys", tier.keys, keys),
+                                                                      ("values", tier.values, values))
+                       for name, field in codec.encode(x, positions, chosen).items()}
+            if index < len(self.rings):
+                size = self.ring_sizes[index]
+                cells = torch.where(chosen, positions % size, size)  # the others write the spare cell
+                for name, buffer in self.rings[index].items():
+                    buffer.scatter_(2, _expand(cells, buffer), encoded[name])
+            else:
+                for name, buffer in self.fields.items():
+                    live = buffer[:, :, first : self.length]
+                    live.copy_(torch.where(chosen[..., None], encoded[name], live))
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _fields(tier: Tier, head_dim: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {f"{kind}.{name}": spec for kind, codec in (("keys", tier.keys), ("values", tier.values))
+            for name, spec in codec.fields(head_dim, dtype).items()}
+
+
+def _entry_bytes(tier: Tier, head_dim: int, dtype: torch.dtype) -> int:
+    return tier.keys.entry_bytes(head_dim, dtype) + tier.values.entry_bytes(head_dim, dtype)
+
+
+def _decode(tier: Tier, fields: Fields, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def of(kind: str) -> Fields:
+        return {name.partition(".")[2]: field for name, field in fields.items() if name.startswith(kind + ".")}
+    return tier.keys.decode(of("keys"), positions), tier.values.decode(of("values"), positions)
+
