@@ -230,6 +230,10 @@ BAD = [
     ("policies: [window]\nbudgets: [8]\ncontext_lengths: [9]\ntasks: [niah]\n", "missing key 'name'"),
     ("- just\n- a list\n", "a config must be a mapping"),
     ("include: nowhere.yaml\nname: x\n", "config file not found"),
+    ("name: x\npolicies: [{name: h2o, storage: {zip: {}}}]\nbudgets: [8]\ncontext_lengths: [9]\ntasks: [niah]\n",
+     ":2: policies[0].name: unknown policy 'zip'"),
+    ("name: x\npolicies: [{name: h2o, budget: 8, budgets: [9]}]\nbudgets: [8]\ncontext_lengths: [9]\ntasks: [niah]\n",
+     "give 'budget' or 'budgets', not both"),
     ("name: x\npolicies: [ada_kv]\nbudgets: [64]\ncontext_lengths: [9]\ntasks: [niah]\nprefill: {mode: chunked}\n",
      ":2: policies[0].name: policy 'ada_kv' compresses the prompt once"),
 ]
@@ -397,3 +401,15 @@ def test_a_memory_limit_fails_the_cells_that_do_not_fit(tmp_path):
     assert len(levels) == 2 * len(expand(load_config(write_config(tmp_path, TINY, "plain.yaml"))))
     bad = runner.invoke(app, ["validate", str(write_config(tmp_path, {**TINY, "pressure": [1.2]}, "bad.yaml"))])
     assert bad.exit_code == 2 and "pressure" in bad.output
+
+
+def test_compression_and_hybrid_cells_with_their_own_budgets(tmp_path):
+    config = {**TINY, "policies": ["full", {"name": "quant", "bits": 4, "group_size": 16, "residual": 32},
+                                   {"name": "h2o", "budget": 64, "storage": {"quant": {"bits": 4, "group_size": 16}}}],
+              "samples": 1}
+    sweep(write_config(tmp_path, config), tmp_path / "run")
+    frame = summarize(tmp_path / "run").set_index("policy")
+    assert frame.loc["quant", "budget"] == "-" and frame.loc["h2o", "budget"] == "64"  # one cell each
+    assert frame.loc["quant", "cache_ratio"] < 0.6 and frame.loc["h2o", "cache_ratio"] < frame.loc["quant", "cache_ratio"]
+    families = {r["policy"]["name"]: r["family"] for r in RunFolder(tmp_path / "run").records()}
+    assert families == {"full": "none", "quant": "compression", "h2o": "hybrid"}
