@@ -630,7 +630,10 @@ def _listing(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) 
 @app.command()
 @user_errors
 def policies(plugins: str | None = PLUGINS) -> None:
-    """List the policies, their phases and parameters."""
+    """List the policies, their family, phases and parameters.
+
+    Every eviction policy also takes `storage:` (a compression policy, e.g. `{quant: {bits: 4}}`) to keep what it
+    keeps compressed: its records then say family `hybrid`."""
     from kvbench.policies import POLICIES
     from kvbench.registry import load_plugins
 
@@ -639,7 +642,7 @@ def policies(plugins: str | None = PLUGINS) -> None:
     rows = []
     for name in POLICIES.names():
         cls = POLICIES.get(name)
-        params = ", ".join(f"{k}={v}" for k, v in cls.params().items()) or "-"
+        params = ", ".join(f"{k}={v}" for k, v in cls.params().items() if k != "storage") or "-"
         rows.append((name, cls.family, "+".join(cls.phases) or "-", "yes" if cls.needs_attention else "no", params,
                      first_line(cls)))
     _listing("policies", ("name", "family", "phases", "needs attention", "parameters (defaults)", "what it does"),

@@ -105,6 +105,8 @@ def _row(cell_id: str, records: list[dict[str, Any]], status: dict[str, Any] | N
         "question": cell["question"],
         "prefill": cell["prefill"]["mode"],
         "policy": cell["policy"]["name"],
+        # eviction, compression, hybrid (eviction with a storage) or none (full)
+        "family": records[0].get("family", "") if records else "",
         "params": ", ".join(f"{k}={v}" for k, v in cell["policy"]["params"].items()),
         "budget": "-" if budget is None else str(budget),
         "memory": _memory_label(cell.get("memory")),

@@ -410,6 +410,7 @@ def test_compression_and_hybrid_cells_with_their_own_budgets(tmp_path):
     sweep(write_config(tmp_path, config), tmp_path / "run")
     frame = summarize(tmp_path / "run").set_index("policy")
     assert frame.loc["quant", "budget"] == "-" and frame.loc["h2o", "budget"] == "64"  # one cell each
-    assert frame.loc["quant", "cache_ratio"] < 0.6 and frame.loc["h2o", "cache_ratio"] < frame.loc["quant", "cache_ratio"]
+    assert frame.loc["h2o", "cache_ratio"] < frame.loc["quant", "cache_ratio"] < 0.6
+    assert frame["family"].to_dict() == {"full": "none", "quant": "compression", "h2o": "hybrid"}
     families = {r["policy"]["name"]: r["family"] for r in RunFolder(tmp_path / "run").records()}
     assert families == {"full": "none", "quant": "compression", "h2o": "hybrid"}
