@@ -25,9 +25,21 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """The inverse of `pack`: `[..., D]` uint8 codes."""
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    return ((packed[..., None] >> shifts) & (2**bits - 1)).reshape(*packed.shape[:-1], -1)
+    """The inverse of `pack`: `[..., D]` uint8 codes (arithmetic with float scales promotes them in place of a
+    separate conversion pass)."""
+    if bits == 8:
+        return packed
+    fields = [(packed >> shift) & (2**bits - 1) for shift in range(0, 8, bits)]  # 2 or 4 whole-tensor ops
+    return torch.stack(fields, dim=-1).flatten(-2)
+
+
+def take_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`table[b, h, index[b, h, i]]` for a contiguous `[B, H, R, ...]` table and `[B, H, n]` index: whole rows
+    copied (an index_select), much cheaper than an element-wise gather of the expanded index."""
+    batch, heads, rows = table.shape[:3]
+    offsets = torch.arange(batch * heads, device=index.device).view(batch, heads, 1) * rows
+    picked = table.reshape(batch * heads * rows, -1).index_select(0, (index + offsets).reshape(-1))
+    return picked.view(*index.shape, *table.shape[3:])
 
 
 def quantize(x: torch.Tensor, low: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
@@ -53,8 +65,9 @@ class Codec:
         (a codec with a table fills it from those alone)."""
         return {"x": x}
 
-    def decode(self, fields: Fields, positions: torch.Tensor) -> torch.Tensor:
-        return fields["x"]
+    def decode(self, fields: Fields, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The entries `[B, H, n, D]` in the model dtype, written into `out` when given."""
+        return fields["x"] if out is None else out.copy_(fields["x"])
 
     def table_bytes(self, positions: torch.Tensor | None = None, held: torch.Tensor | None = None) -> int:
         """Bytes of the layer-wide table: all of it, or the part the `held` `[B, H, n]` slots at `positions` use."""
@@ -84,10 +97,13 @@ class TokenQuant(Codec):
         codes = quantize(grouped, low[..., None], scale[..., None], self.bits).flatten(-2)
         return {"codes": pack(codes, self.bits), "low": low, "scale": scale}
 
-    def decode(self, fields: Fields, positions: torch.Tensor) -> torch.Tensor:
-        codes = unpack(fields["codes"], self.bits).unflatten(-1, (-1, self.group)).float()
-        x = codes * fields["scale"].float()[..., None] + fields["low"].float()[..., None]
-        return x.flatten(-2).to(fields["low"].dtype)
+    def decode(self, fields: Fields, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        codes = unpack(fields["codes"], self.bits).unflatten(-1, (-1, self.group))
+        low, scale = fields["low"].float()[..., None], fields["scale"].float()[..., None]
+        if out is not None:
+            torch.addcmul(low, codes, scale, out=out.unflatten(-1, (-1, self.group)))
+            return out
+        return torch.addcmul(low, codes, scale).flatten(-2).to(fields["low"].dtype)
 
 
 @dataclass
@@ -120,9 +136,11 @@ class ChannelQuant(Codec):
         codes = quantize(x, *self._rows(positions), self.bits)
         return {"codes": pack(codes, self.bits)}
 
-    def decode(self, fields: Fields, positions: torch.Tensor) -> torch.Tensor:
+    def decode(self, fields: Fields, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         low, scale = self._rows(positions)
-        return (unpack(fields["codes"], self.bits).float() * scale.float() + low.float()).to(self.low.dtype)
+        if out is not None:
+            return torch.addcmul(low.float(), unpack(fields["codes"], self.bits), scale.float(), out=out)
+        return torch.addcmul(low.float(), unpack(fields["codes"], self.bits), scale.float()).to(self.low.dtype)
 
     def table_bytes(self, positions: torch.Tensor | None = None, held: torch.Tensor | None = None) -> int:
         if self.low is None:
@@ -135,9 +153,8 @@ class ChannelQuant(Codec):
         return int(used.sum()) * row_bytes  # a row counts once, however many of its tokens a head still holds
 
     def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        index = (positions // self.group).clamp(0, self.low.shape[2] - 1)[..., None].expand(
-            *positions.shape, self.low.shape[-1])
-        return self.low.gather(2, index), self.scale.gather(2, index)
+        index = (positions // self.group).clamp(0, self.low.shape[2] - 1)
+        return take_rows(self.low, index), take_rows(self.scale, index)
 
     def _grow(self, rows: int, like: torch.Tensor) -> None:
         have = 0 if self.low is None else self.low.shape[2]
@@ -168,8 +185,9 @@ class LowRank(Codec):
             self.basis = self._fit(x, chosen)
         return {"coefficients": (x.float() @ self.basis.float()).to(x.dtype)}
 
-    def decode(self, fields: Fields, positions: torch.Tensor) -> torch.Tensor:
-        return (fields["coefficients"].float() @ self.basis.float().transpose(-1, -2)).to(self.basis.dtype)
+    def decode(self, fields: Fields, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        x = (fields["coefficients"].float() @ self.basis.float().transpose(-1, -2)).to(self.basis.dtype)
+        return x if out is None else out.copy_(x)
 
     def table_bytes(self, positions: torch.Tensor | None = None, held: torch.Tensor | None = None) -> int:
         return 0 if self.basis is None else self.basis.numel() * self.basis.element_size()

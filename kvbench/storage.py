@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.cache import LayerKV, _expand, _take
-from kvbench.codecs import ChannelQuant, Codec, Fields, LowRank, TokenQuant
+from kvbench.cache import LayerKV, _expand
+from kvbench.codecs import ChannelQuant, Codec, Fields, LowRank, TokenQuant, take_rows
 from kvbench.errors import KvbenchError
 
 
@@ -72,6 +72,10 @@ class StoredLayerKV(LayerKV):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         batch, heads, head_dim = self.owner.batch_heads_dim
+        self._entry_bytes = _entry_bytes(self.final, head_dim, self.dtype)
+        self._ring_bytes = sum(batch * heads * (size + 1) * _entry_bytes(tier, head_dim, self.dtype)
+                               for tier, size in zip(self.layout.tiers, self.ring_sizes, strict=False))
+        self.owner.note_allocation(self._ring_bytes)
         self.rings = [{name: torch.zeros((batch, heads, size + 1) + shape, dtype=dtype, device=self.device)
                        for name, (shape, dtype) in _fields(tier, head_dim, self.dtype).items()}
                       for tier, size in zip(self.layout.tiers, self.ring_sizes, strict=False)]
@@ -81,9 +85,9 @@ class StoredLayerKV(LayerKV):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        held_keys, held_values = self._decoded()
         # the new tokens attend in full precision (as KIVI's prefill does); they are stored compressed after
-        keys, values = torch.cat((held_keys, key_states), 2), torch.cat((held_values, value_states), 2)
+        keys, values = self._decoded(extra=key_states.shape[-2])
+        keys[:, :, self.length :], values[:, :, self.length :] = key_states, value_states
         self.owner.note_transient(keys.nbytes + values.nbytes)
         self._store(keys, values, self._append(key_states.shape[-2]))
         return keys, values
@@ -100,12 +104,11 @@ class StoredLayerKV(LayerKV):
         return self._decoded()[0]
 
     def entry_bytes(self) -> int:
-        return _entry_bytes(self.final, self.owner.batch_heads_dim[2], self.dtype)
+        return self._entry_bytes
 
     def physical_bytes(self) -> int:
         tables = sum(codec.table_bytes() for tier in self.layout.tiers for codec in (tier.keys, tier.values))
-        rings = sum(buffer.nbytes for ring in self.rings for buffer in ring.values())
-        return super().physical_bytes() + rings + tables
+        return super().physical_bytes() + self._ring_bytes + tables
 
     def live_bytes(self) -> int:
         positions = self.live_positions()
@@ -142,30 +145,31 @@ class StoredLayerKV(LayerKV):
         starts = torch.tensor(self.starts, device=positions.device)
         return (positions[..., None] < starts).sum(-1)
 
-    def _decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The live entries in full precision, `[B, H, length, D]` each, in slot order."""
+    def _decoded(self, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The live entries in full precision, `[B, H, length + extra, D]` each in slot order (the `extra` last
+        slots left for the caller to fill)."""
         batch, heads, head_dim = self.owner.batch_heads_dim
-        if self.length == 0:
-            empty = torch.empty((batch, heads, 0, head_dim), dtype=self.dtype, device=self.device)
-            return empty, empty
+        keys, values = (torch.empty((batch, heads, self.length + extra, head_dim), dtype=self.dtype,
+                                    device=self.device) for _ in range(2))
+        if self.length and (not self.starts or self.starts[-1] > 0):  # the oldest tier holds something
+            live = {name: buffer[:, :, : self.length] for name, buffer in self.fields.items()}
+            _decode(self.final, live, self.live_positions(), keys[:, :, : self.length], values[:, :, : self.length])
+        if not self.starts or self.length == 0:
+            return keys, values
         positions = self.live_positions()
         tiers = self._tiers(positions)
-        keys = values = None
-        if not self.starts or self.starts[-1] > 0:  # the oldest tier holds something
-            live = {name: buffer[:, :, : self.length] for name, buffer in self.fields.items()}
-            keys, values = _decode(self.final, live, positions)
         bounds = [self.seen, *self.starts]
         for index, (tier, ring, size) in enumerate(zip(self.layout.tiers, self.rings, self.ring_sizes, strict=False)):
             if bounds[index] <= bounds[index + 1]:
                 continue  # an empty tier
-            cells = positions % size
-            tier_keys, tier_values = _decode(tier, {name: _take(buffer, cells) for name, buffer in ring.items()},
-                                             positions)
-            if keys is None:
-                keys, values = tier_keys, tier_values
-                continue
-            mine = (tiers == index)[..., None]
-            keys, values = torch.where(mine, tier_keys, keys), torch.where(mine, tier_values, values)
+            mine = tiers == index
+            slots = mine.any(0).any(0).nonzero().squeeze(1)  # the slots where some head holds this tier's tokens
+            cells = positions[:, :, slots] % size
+            tier_keys, tier_values = _decode(tier, {name: take_rows(buffer, cells) for name, buffer in ring.items()},
+                                             positions[:, :, slots])
+            mine = mine[:, :, slots, None]
+            keys[:, :, slots] = torch.where(mine, tier_keys, keys[:, :, slots])
+            values[:, :, slots] = torch.where(mine, tier_values, values[:, :, slots])
         return keys, values
 
     def _store(self, keys: torch.Tensor, values: torch.Tensor, new_from: int) -> None:
@@ -179,10 +183,10 @@ class StoredLayerKV(LayerKV):
             self.starts.append(start)
         after = self._tiers(positions)
         moved = before != after
-        first = 0 if bool(moved[..., :new_from].any()) else new_from  # usually only the new slots
         moved[..., new_from:] = True
-        moved, after, positions = moved[..., first:], after[..., first:], positions[..., first:]
-        keys, values = keys[:, :, first:], values[:, :, first:]
+        slots = moved.any(0).any(0).nonzero().squeeze(1)  # usually the new slots, plus a group that aged
+        moved, after, positions = moved[:, :, slots], after[:, :, slots], positions[:, :, slots]
+        keys, values = keys[:, :, slots], values[:, :, slots]
         for index, tier in enumerate(self.layout.tiers):
             chosen = moved & (after == index)
             if not bool(chosen.any()):
@@ -197,8 +201,7 @@ class StoredLayerKV(LayerKV):
                     buffer.scatter_(2, _expand(cells, buffer), encoded[name])
             else:
                 for name, buffer in self.fields.items():
-                    live = buffer[:, :, first : self.length]
-                    live.copy_(torch.where(chosen[..., None], encoded[name], live))
+                    buffer[:, :, slots] = torch.where(chosen[..., None], encoded[name], buffer[:, :, slots])
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -214,8 +217,9 @@ def _entry_bytes(tier: Tier, head_dim: int, dtype: torch.dtype) -> int:
     return tier.keys.entry_bytes(head_dim, dtype) + tier.values.entry_bytes(head_dim, dtype)
 
 
-def _decode(tier: Tier, fields: Fields, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode(tier: Tier, fields: Fields, positions: torch.Tensor, keys: torch.Tensor | None = None,
+            values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     def of(kind: str) -> Fields:
         return {name.partition(".")[2]: field for name, field in fields.items() if name.startswith(kind + ".")}
-    return tier.keys.decode(of("keys"), positions), tier.values.decode(of("values"), positions)
+    return tier.keys.decode(of("keys"), positions, keys), tier.values.decode(of("values"), positions, values)
 

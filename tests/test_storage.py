@@ -3,6 +3,7 @@ really allocated, tiers by age, and storage composed with eviction."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -193,3 +194,18 @@ def test_bad_storage_is_a_one_line_error(name, params, culprit):
 def test_storage_needs_a_fitting_head_dim(tiny_llama):
     with pytest.raises(KvbenchError, match="rank must be in"):
         ours(tiny_llama, build_policy("lowrank", {"rank": 1000}), random_ids(20))
+
+
+def test_run_takes_a_storage_per_policy():
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    result = CliRunner().invoke(app, ["run", "-m", "random:tiny-llama", "-c", "300", "-b", "64", "-p", "h2o", "-p",
+                                      "quant", "--param", "h2o.storage={quant: {bits: 4, group_size: 16}}",
+                                      "--param", "quant.residual=16", "--max-new-tokens", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    records = {r["family"]: r for r in map(json.loads, result.output.strip().splitlines())}
+    assert set(records) == {"hybrid", "compression"}
+    assert records["hybrid"]["policy"]["storage"] == {"quant": {"bits": 4, "group_size": 16}}
+    assert records["hybrid"]["kv_bytes_live"] < records["compression"]["kv_bytes_live"]

@@ -1,0 +1,62 @@
+"""Cost of one decode step's cache work with compressed storage, against a plain cache, on one layer of a
+Llama-3-8B-shaped cache (8 KV heads, head_dim 128) holding `--tokens` entries.
+
+    python benchmarks/storage_step.py [--tokens 2048] [--device cpu|cuda] [--dtype bfloat16]
+
+A step appends one token and returns the layer's keys and values for attention: a plain layer returns views of
+its buffers; a compressed one decodes every entry (no fused kernel) and encodes the new token. Both are compared
+with one decode token's SDPA over the same entries, the least a step spends on attention. All in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from eviction_step import median_ms  # this folder's sibling script
+
+from kvbench.cache import KVCache
+from kvbench.models import resolve_device, resolve_dtype
+from kvbench.policies import build_policy
+
+KV_HEADS, HEADS, HEAD_DIM = 8, 32, 128
+STORAGES = {"plain (full)": ("full", {}), "quant-8": ("quant", {"bits": 8}), "quant-4": ("quant", {"bits": 4}),
+            "quant-2": ("quant", {"bits": 2}), "mixed 8/4": ("mixed_precision", {"middle": 512}),
+            "lowrank 32": ("lowrank", {"rank": 32})}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    prompt = torch.randn(1, KV_HEADS, args.tokens, HEAD_DIM, dtype=dtype, device=device)
+    token = torch.randn(1, KV_HEADS, 1, HEAD_DIM, dtype=dtype, device=device)
+    query = torch.randn(1, HEADS, 1, HEAD_DIM, dtype=dtype, device=device)
+    rows = []
+    for label, (name, params) in STORAGES.items():
+        cache = KVCache(1, (1, KV_HEADS, HEAD_DIM), build_policy(name, params), None, growth=args.repeats + 8)
+        layer = cache.layers[0]
+        layer.update(prompt, prompt)
+        cache.phase = "decode"
+        step = median_ms(lambda layer=layer: layer.update(token, token), device, args.repeats)
+        keys, values = layer.update(token, token)
+        attention = median_ms(lambda k=keys, v=values: F.scaled_dot_product_attention(
+            query, k, v, enable_gqa=True), device, args.repeats)
+        stats = cache.stats()
+        rows.append((label, step, attention, stats.kv_bytes_live / stats.kv_bytes_full))
+    base = rows[0][1]
+    print(f"{args.tokens} tokens, {KV_HEADS} KV heads x head_dim {HEAD_DIM}, {dtype}, {device}; median of "
+          f"{args.repeats}")
+    print(f"{'storage':<14} {'step ms':>9} {'x plain':>8} {'SDPA ms':>8} {'bytes ratio':>12}")
+    for label, step, attention, ratio in rows:
+        print(f"{label:<14} {step:9.3f} {step / base:8.1f} {attention:8.3f} {ratio:12.3f}")
+
+
+if __name__ == "__main__":
+    main()
