@@ -20,7 +20,9 @@ from kvbench.summary import summarize, task_key, task_labels
 # Okabe-Ito: distinguishable with every common colour-vision deficiency
 OKABE_ITO = ["#E69F00", "#56B4E9", "#009E73", "#0072B2", "#D55E00", "#CC79A7", "#F0E442", "#999999"]
 FIXED_COLOURS = {"full": "#000000", "window": "#E69F00", "streaming_llm": "#56B4E9", "h2o": "#009E73",
-                 "snapkv": "#0072B2", "random": "#999999"}
+                 "snapkv": "#0072B2", "random": "#999999", "quant": "#D55E00", "mixed_precision": "#CC79A7"}
+# variants of one policy (other parameters, a storage) share its colour and differ in marker and line
+VARIANT_STYLES = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", "--")]
 STYLES = {
     "default": {"figure.dpi": 110, "font.size": 9},
     # two-column paper: 3.4 in wide columns, fonts that embed as TrueType in PDF
@@ -132,8 +134,12 @@ def _score_curves(plt, rows: pd.DataFrame, x: str, xlabel: str, style: str, log_
     figure, axes = _panels(plt, len(lengths), style)
     for axis, length in zip(axes, lengths, strict=True):
         panel = rows[rows["context_length"] == length]
+        variants: dict[str, int] = {}
         for label, series in panel.groupby(panel.apply(_series_label, axis=1), sort=False):
-            colour = policy_colour(series["policy"].iloc[0])
+            policy = series["policy"].iloc[0]
+            colour = policy_colour(policy)
+            marker, line = VARIANT_STYLES[variants.setdefault(policy, 0) % len(VARIANT_STYLES)]
+            variants[policy] += 1
             if series["policy"].iloc[0] == "full":
                 full = series.iloc[0]
                 axis.axhline(full["score"], color=colour, linestyle="--", label="full")
@@ -141,7 +147,7 @@ def _score_curves(plt, rows: pd.DataFrame, x: str, xlabel: str, style: str, log_
                 continue
             series = series.sort_values(x)
             xs = series[x].to_numpy(dtype=float) * scale
-            axis.plot(xs, series["score"], marker="o", color=colour, label=label)
+            axis.plot(xs, series["score"], marker=marker, linestyle=line, color=colour, label=label)
             axis.fill_between(xs, series["score_ci_low"], series["score_ci_high"], color=colour, alpha=0.15)
         _failed_note(axis, panel)
         axis.set(title=f"{panel['task'].iloc[0]}, {length} tokens", xlabel=xlabel, **_score_axis(panel))
