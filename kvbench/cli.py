@@ -200,9 +200,13 @@ def summary_table(records: list[dict[str, Any]], model: dict[str, Any]) -> Table
     """Mean over samples per (context, policy, budget)."""
     import pandas as pd
 
+    from kvbench.summary import param_text
+
     frame = pd.json_normalize(records)
     frame["budget"] = [("-" if r["budget"] is None else str(r["budget"])) for r in records]
-    groups = frame.groupby(["context_length", "policy.name", "budget"], sort=False)
+    frame["label"] = [r["policy"]["name"] + (f"+{param_text(r['policy']['storage'])}" if "storage" in r["policy"]
+                                             else "") for r in records]
+    groups = frame.groupby(["context_length", "label", "budget"], sort=False)
     table = Table(title=f"{model['spec']} ({model['layers']} layers, {model['kv_heads']} KV heads, "
                   f"{model['dtype']}, {model['device']})")
     for column in ("context", "policy", "budget", "n", "score", "cache ratio", "kv peak", "kv live", "ttft s",

@@ -107,7 +107,7 @@ def _row(cell_id: str, records: list[dict[str, Any]], status: dict[str, Any] | N
         "policy": cell["policy"]["name"],
         # eviction, compression, hybrid (eviction with a storage) or none (full)
         "family": records[0].get("family", "") if records else "",
-        "params": ", ".join(f"{k}={_value(v)}" for k, v in cell["policy"]["params"].items()),
+        "params": ", ".join(f"{k}={param_text(v)}" for k, v in cell["policy"]["params"].items()),
         "budget": "-" if budget is None else str(budget),
         "memory": _memory_label(cell.get("memory")),
         "budget_order": (0, 0.0) if budget is None else ((1, budget) if isinstance(budget, float) else (2, budget)),
@@ -133,11 +133,11 @@ def _row(cell_id: str, records: list[dict[str, Any]], status: dict[str, Any] | N
     return row
 
 
-def _value(value: Any) -> str:
+def param_text(value: Any) -> str:
     """A parameter as text; a `{name: {params}}` mapping (a storage, a stage) as `name(k=v, ...)`."""
     if isinstance(value, dict) and len(value) == 1 and isinstance(next(iter(value.values())), dict | None):
         (name, params), = value.items()
-        return f"{name}({', '.join(f'{k}={_value(v)}' for k, v in (params or {}).items())})"
+        return f"{name}({', '.join(f'{k}={param_text(v)}' for k, v in (params or {}).items())})"
     return str(value)
 
 
