@@ -6,6 +6,9 @@ most entries go, gathers the survivors into a smaller buffer), so decode-time ev
 O(evicted) copies and memory really stays at the budget. Slots are not kept in position order:
 attention does not care (RoPE is already applied to the keys), and `positions` records each
 entry's original position for the policies that need recency.
+
+A policy with a storage layout (quant, mixed_precision, lowrank, or `storage:` on an eviction policy) gets
+`StoredLayerKV` layers instead (kvbench/storage.py): the same slots, holding compressed entries.
 """
 
 from __future__ import annotations
