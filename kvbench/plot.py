@@ -15,12 +15,16 @@ import pandas as pd
 
 from kvbench.errors import KvbenchError
 from kvbench.results import RunFolder
-from kvbench.summary import summarize, task_key, task_labels
+from kvbench.summary import param_text, summarize, task_key, task_labels
 
-# Okabe-Ito: distinguishable with every common colour-vision deficiency
+# Okabe-Ito, then Paul Tol's muted set: distinguishable with every common colour-vision deficiency; each
+# built-in policy has its own, a plugin's is picked by its name
 OKABE_ITO = ["#E69F00", "#56B4E9", "#009E73", "#0072B2", "#D55E00", "#CC79A7", "#F0E442", "#999999"]
-FIXED_COLOURS = {"full": "#000000", "window": "#E69F00", "streaming_llm": "#56B4E9", "h2o": "#009E73",
-                 "snapkv": "#0072B2", "random": "#999999", "quant": "#D55E00", "mixed_precision": "#CC79A7"}
+TOL_MUTED = ["#882255", "#332288", "#44AA99", "#117733", "#AA4499", "#DDCC77", "#88CCEE", "#661100"]
+FIXED_COLOURS = {"full": "#000000", **dict(zip(
+    ["window", "streaming_llm", "h2o", "snapkv", "quant", "mixed_precision", "lowrank", "random"], OKABE_ITO,
+    strict=True)), **dict(zip(["tova", "pyramidkv", "hybrid", "knorm", "scissorhands", "ada_kv", "merge", "compose"],
+                              TOL_MUTED, strict=True))}
 # variants of one policy (other parameters, a storage) share its colour and differ in marker and line
 VARIANT_STYLES = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", "--")]
 STYLES = {
@@ -46,7 +50,8 @@ def _pyplot():
 
 def policy_colour(policy: str) -> str:
     """The same colour for a policy in every figure of every run."""
-    return FIXED_COLOURS.get(policy) or OKABE_ITO[zlib.crc32(policy.encode()) % len(OKABE_ITO)]
+    palette = OKABE_ITO + TOL_MUTED
+    return FIXED_COLOURS.get(policy) or palette[zlib.crc32(policy.encode()) % len(palette)]
 
 
 def _series_label(row: pd.Series) -> str:
@@ -165,7 +170,7 @@ def _needle_heatmaps(plt, records: list[dict[str, Any]], style: str):
     """Depth x context length, one panel per policy (row) and budget (column), red-yellow-green 0 to 1."""
     frame = pd.DataFrame({
         "policy": [_series_label(pd.Series({"policy": r["cell"]["policy"]["name"], "params": ", ".join(
-            f"{k}={v}" for k, v in r["cell"]["policy"]["params"].items())})) for r in records],
+            f"{k}={param_text(v)}" for k, v in r["cell"]["policy"]["params"].items())})) for r in records],
         "budget": ["-" if r["cell"]["budget"] is None else str(r["cell"]["budget"]) for r in records],
         "depth": [r["meta"]["depth"] for r in records],
         "length": [r["cell"]["context_length"] for r in records],
@@ -178,12 +183,15 @@ def _needle_heatmaps(plt, records: list[dict[str, Any]], style: str):
     width, height = PANEL_SIZE[style]
     figure, axes = plt.subplots(len(policies), len(budgets), squeeze=False, layout="constrained",
                                 figsize=(0.6 * width * len(budgets) + 1, 0.55 * height * len(policies)))
+    keeps_all = set(frame.loc[frame["budget"] == "-", "policy"])  # full, compression: one panel, first column
     image = None
     for row, policy in enumerate(policies):
+        labelled = False
         for column, budget in enumerate(budgets):
             axis = axes[row, column]
-            cell = frame[(frame["policy"] == policy) & (frame["budget"].isin(["-"] if policy == "full" else [budget]))]
-            if cell.empty or (policy == "full" and column > 0):
+            wanted = "-" if policy in keeps_all else budget
+            cell = frame[(frame["policy"] == policy) & (frame["budget"] == wanted)]
+            if cell.empty or (policy in keeps_all and column > 0):
                 axis.set_visible(False)
                 continue
             grid = cell.pivot_table(index="depth", columns="length", values="score", aggfunc="mean")
@@ -194,10 +202,11 @@ def _needle_heatmaps(plt, records: list[dict[str, Any]], style: str):
                     axis.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize="x-small")
             axis.set_xticks(range(len(lengths)), [str(v) for v in lengths], fontsize="x-small")
             axis.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize="x-small")
-            budget_text = "" if policy == "full" else f"b={budget}, "
+            budget_text = "" if wanted == "-" else f"b={budget}, "
             axis.set_title(f"{budget_text}mean {np.nanmean(values):.2f}", fontsize="small")
-            if column == 0:
+            if not labelled:  # the row's first panel (a policy with its own budgets may skip columns)
                 axis.set_ylabel(f"{policy}\ndepth", fontsize="small")
+                labelled = True
             if row == len(policies) - 1:
                 axis.set_xlabel("context length", fontsize="small")
     if image is not None:

@@ -414,3 +414,11 @@ def test_compression_and_hybrid_cells_with_their_own_budgets(tmp_path):
     assert frame["family"].to_dict() == {"full": "none", "quant": "compression", "h2o": "hybrid"}
     families = {r["policy"]["name"]: r["family"] for r in RunFolder(tmp_path / "run").records()}
     assert families == {"full": "none", "quant": "compression", "h2o": "hybrid"}
+    pytest.importorskip("matplotlib")
+    from kvbench.plot import figures
+
+    drawn = figures(tmp_path / "run")  # a policy without a budget is one point / one heatmap panel
+    assert {"score_vs_bytes_niah", "needle_heatmaps_niah"} <= set(drawn)
+    heatmap_labels = [axis.get_ylabel() for axis in drawn["needle_heatmaps_niah"].axes if axis.get_ylabel()]
+    assert any(label.startswith("quant") for label in heatmap_labels)
+    assert any("storage=quant(bits=4" in label for label in heatmap_labels)
