@@ -52,6 +52,11 @@ def grid(low: torch.Tensor, high: torch.Tensor, bits: int) -> torch.Tensor:
     return ((high.float() - low.float()) / (2**bits - 1)).clamp_(min=1e-8)
 
 
+def _whole_bytes(bits: int, head_dim: int) -> None:
+    if head_dim * bits % 8:
+        raise ValueError(f"{bits}-bit codes of head_dim {head_dim} fill no whole byte")
+
+
 @dataclass
 class Codec:
     """Stores entries as they are (the model dtype): the full-precision tier."""
@@ -73,6 +78,9 @@ class Codec:
         """Bytes of the layer-wide table: all of it, or the part the `held` `[B, H, n]` slots at `positions` use."""
         return 0
 
+    def fit(self, head_dim: int) -> None:
+        """Check this codec against the model's head_dim (ValueError: why it cannot store it)."""
+
     def entry_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
         return sum(math.prod(shape) * kind.itemsize for shape, kind in self.fields(head_dim, dtype).values())
 
@@ -84,6 +92,12 @@ class TokenQuant(Codec):
 
     bits: int = 4
     group: int = 32
+
+    def fit(self, head_dim: int) -> None:
+        self.group = min(self.group, head_dim)  # a channel group wider than a head is the head
+        if head_dim % self.group:
+            raise ValueError(f"group_size {self.group} does not divide head_dim {head_dim}")
+        _whole_bytes(self.bits, head_dim)
 
     def fields(self, head_dim: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         groups = head_dim // self.group
@@ -117,22 +131,26 @@ class ChannelQuant(Codec):
     low: torch.Tensor | None = field(default=None, repr=False)  # [B, H, groups, D]
     scale: torch.Tensor | None = field(default=None, repr=False)
 
+    def fit(self, head_dim: int) -> None:
+        _whole_bytes(self.bits, head_dim)
+
     def fields(self, head_dim: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {"codes": ((head_dim * self.bits // 8,), torch.uint8)}
 
     def encode(self, x: torch.Tensor, positions: torch.Tensor, chosen: torch.Tensor) -> Fields:
         rows = positions // self.group
-        needed = int(rows.max()) + 2  # the last row takes the reductions of the slots not chosen
-        self._grow(needed - 1, x)
-        target = torch.where(chosen, rows, needed - 1)[..., None].expand_as(x)
-        low = torch.full(self.low.shape[:2] + (needed, x.shape[-1]), float("inf"), device=x.device)
+        used = int(rows.max()) + 1
+        self._grow(used, x)
+        # each chosen slot's channels reduce into its group's row; the others into a spare row past the end
+        target = torch.where(chosen, rows, used)[..., None].expand_as(x)
+        low = torch.full(x.shape[:2] + (used + 1, x.shape[-1]), float("inf"), device=x.device)
         high = torch.full_like(low, float("-inf"))
         low.scatter_reduce_(2, target, x.float(), "amin")
         high.scatter_reduce_(2, target, x.float(), "amax")
-        touched = torch.isfinite(low[:, :, : needed - 1])
-        self.low[:, :, : needed - 1] = torch.where(touched, low[:, :, : needed - 1], self.low[:, :, : needed - 1])
-        self.scale[:, :, : needed - 1] = torch.where(
-            touched, grid(low[:, :, : needed - 1], high[:, :, : needed - 1], self.bits), self.scale[:, :, : needed - 1])
+        low, high = low[:, :, :used], high[:, :, :used]
+        touched = torch.isfinite(low)  # rows of the groups encoded now
+        self.low[:, :, :used] = torch.where(touched, low, self.low[:, :, :used])
+        self.scale[:, :, :used] = torch.where(touched, grid(low, high, self.bits), self.scale[:, :, :used])
         codes = quantize(x, *self._rows(positions), self.bits)
         return {"codes": pack(codes, self.bits)}
 
@@ -176,6 +194,10 @@ class LowRank(Codec):
 
     rank: int = 32
     basis: torch.Tensor | None = field(default=None, repr=False)  # [B, H, D, rank], orthonormal columns
+
+    def fit(self, head_dim: int) -> None:
+        if not 0 < self.rank <= head_dim:
+            raise ValueError(f"rank must be in [1, head_dim={head_dim}], got {self.rank}")
 
     def fields(self, head_dim: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {"coefficients": ((self.rank,), dtype)}

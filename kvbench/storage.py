@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.cache import LayerKV, _expand
-from kvbench.codecs import ChannelQuant, Codec, Fields, LowRank, TokenQuant, take_rows
+from kvbench.codecs import Codec, Fields, take_rows
 from kvbench.errors import KvbenchError
 
 
@@ -38,17 +38,13 @@ class Layout:
     group: int = 1
 
     def fit(self, head_dim: int) -> None:
-        """Check the codecs against the model's head_dim; a channel group wider than a head becomes the head."""
+        """Fit the codecs to the model's head_dim, or say in one line why they cannot store it."""
         for tier in self.tiers:
             for codec in (tier.keys, tier.values):
-                if isinstance(codec, TokenQuant):
-                    codec.group = min(codec.group, head_dim)
-                if isinstance(codec, TokenQuant) and head_dim % codec.group:
-                    raise KvbenchError(f"{self.name}: group_size {codec.group} does not divide head_dim {head_dim}")
-                if isinstance(codec, (TokenQuant, ChannelQuant)) and head_dim * codec.bits % 8:
-                    raise KvbenchError(f"{self.name}: {codec.bits}-bit codes of head_dim {head_dim} fill no whole byte")
-                if isinstance(codec, LowRank) and not 0 < codec.rank <= head_dim:
-                    raise KvbenchError(f"{self.name}: rank must be in [1, head_dim={head_dim}], got {codec.rank}")
+                try:
+                    codec.fit(head_dim)
+                except ValueError as exc:
+                    raise KvbenchError(f"{self.name}: {exc}") from None
 
     def layer(self, owner, layer_idx: int) -> StoredLayerKV:
         return StoredLayerKV(owner, layer_idx, copy.deepcopy(self))  # codecs keep per-layer tables
@@ -163,7 +159,7 @@ class StoredLayerKV(LayerKV):
             if bounds[index] <= bounds[index + 1]:
                 continue  # an empty tier
             mine = tiers == index
-            slots = mine.any(0).any(0).nonzero().squeeze(1)  # the slots where some head holds this tier's tokens
+            slots = _columns(mine)
             cells = positions[:, :, slots] % size
             tier_keys, tier_values = _decode(tier, {name: take_rows(buffer, cells) for name, buffer in ring.items()},
                                              positions[:, :, slots])
@@ -184,7 +180,7 @@ class StoredLayerKV(LayerKV):
         after = self._tiers(positions)
         moved = before != after
         moved[..., new_from:] = True
-        slots = moved.any(0).any(0).nonzero().squeeze(1)  # usually the new slots, plus a group that aged
+        slots = _columns(moved)  # usually the new slots, plus a group that aged
         moved, after, positions = moved[:, :, slots], after[:, :, slots], positions[:, :, slots]
         keys, values = keys[:, :, slots], values[:, :, slots]
         for index, tier in enumerate(self.layout.tiers):
@@ -202,6 +198,11 @@ class StoredLayerKV(LayerKV):
             else:
                 for name, buffer in self.fields.items():
                     buffer[:, :, slots] = torch.where(chosen[..., None], encoded[name], buffer[:, :, slots])
+
+
+def _columns(mask: torch.Tensor) -> torch.Tensor:
+    """The slots where `mask` `[B, H, n]` is set for some row or head: the ones worth touching."""
+    return mask.any(0).any(0).nonzero().squeeze(1)
 
 
 def _round_up(value: int, multiple: int) -> int:
