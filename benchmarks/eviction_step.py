@@ -37,15 +37,20 @@ def median_ms(fn, device, repeats: int) -> float:
     return statistics.median(times) * 1000
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", type=int, default=4096)
+def parse_args(description: str, size: str, default: int) -> tuple[argparse.Namespace, torch.device, torch.dtype]:
+    """`--<size>`, `--device`, `--dtype`, `--repeats`: the options of a cache-step benchmark, resolved."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument(f"--{size}", type=int, default=default)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
+    return args, device, resolve_dtype(args.dtype, device)
+
+
+def main() -> None:
+    args, device, dtype = parse_args(__doc__.splitlines()[0], "budget", 4096)
 
     def filled(policy_name: str) -> KVCache:
         cache = KVCache(LAYERS, (1, KV_HEADS, HEAD_DIM), build_policy(policy_name), args.budget, headroom=1)

@@ -10,15 +10,13 @@ with one decode token's SDPA over the same entries, the least a step spends on a
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
 import torch.nn.functional as F
-from eviction_step import median_ms  # this folder's sibling script
+from eviction_step import median_ms, parse_args  # this folder's sibling script
 
 from kvbench.cache import KVCache
-from kvbench.models import resolve_device, resolve_dtype
 from kvbench.policies import build_policy
 
 KV_HEADS, HEADS, HEAD_DIM = 8, 32, 128
@@ -28,14 +26,7 @@ STORAGES = {"plain (full)": ("full", {}), "quant-8": ("quant", {"bits": 8}), "qu
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--repeats", type=int, default=20)
-    args = parser.parse_args()
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
+    args, device, dtype = parse_args(__doc__.splitlines()[0], "tokens", 2048)
     prompt = torch.randn(1, KV_HEADS, args.tokens, HEAD_DIM, dtype=dtype, device=device)
     token = torch.randn(1, KV_HEADS, 1, HEAD_DIM, dtype=dtype, device=device)
     query = torch.randn(1, HEADS, 1, HEAD_DIM, dtype=dtype, device=device)
