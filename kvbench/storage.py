@@ -107,6 +107,8 @@ class StoredLayerKV(LayerKV):
         return super().physical_bytes() + self._ring_bytes + tables
 
     def live_bytes(self) -> int:
+        if self.positions is None:  # initialized, nothing stored yet
+            return 0
         positions = self.live_positions()
         padding = self.padding()
         held = torch.ones_like(positions, dtype=torch.bool) if padding is None else ~padding
