@@ -81,6 +81,9 @@ class Codec:
     def fit(self, head_dim: int) -> None:
         """Check this codec against the model's head_dim (ValueError: why it cannot store it)."""
 
+    def forget_before(self, position: int) -> None:
+        """No entry older than `position` is held any more: a table may drop what served only those."""
+
     def entry_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
         return sum(math.prod(shape) * kind.itemsize for shape, kind in self.fields(head_dim, dtype).values())
 
@@ -124,12 +127,21 @@ class TokenQuant(Codec):
 class ChannelQuant(Codec):
     """KIVI's keys: each channel quantized over a group of `group` consecutive tokens (keys have outlier
     channels, so a per-channel range keeps the others fine). The scales and zero-points are a table with one
-    row per token group (row = position // group), beside the slots; a group's row is set when it is encoded."""
+    row per token group, beside the slots; a group's row is set when it is encoded. Rows of groups that no
+    slot holds any more are dropped from the front (evicting old tokens gives their rows back)."""
 
     bits: int = 4
     group: int = 32
     low: torch.Tensor | None = field(default=None, repr=False)  # [B, H, groups, D]
     scale: torch.Tensor | None = field(default=None, repr=False)
+    first: int = 0  # the token group of row 0
+
+    def forget_before(self, position: int) -> None:
+        dead = position // self.group - self.first
+        if self.low is None or dead < self.low.shape[2] // 2:  # amortized: once half the table is dead
+            return
+        self.low, self.scale = self.low[:, :, dead:].clone(), self.scale[:, :, dead:].clone()
+        self.first += dead
 
     def fit(self, head_dim: int) -> None:
         _whole_bytes(self.bits, head_dim)
@@ -138,7 +150,7 @@ class ChannelQuant(Codec):
         return {"codes": ((head_dim * self.bits // 8,), torch.uint8)}
 
     def encode(self, x: torch.Tensor, positions: torch.Tensor, chosen: torch.Tensor) -> Fields:
-        rows = positions // self.group
+        rows = self._row_of(positions)
         used = int(rows.max()) + 1
         self._grow(used, x)
         # each chosen slot's channels reduce into its group's row; the others into a spare row past the end
@@ -167,12 +179,15 @@ class ChannelQuant(Codec):
         if held is None:
             return self.low.shape[:3].numel() * row_bytes
         used = torch.zeros(self.low.shape[:3], dtype=torch.bool, device=self.low.device)
-        used.scatter_(2, (positions // self.group).clamp(0, self.low.shape[2] - 1), held)
+        used.scatter_(2, self._row_of(positions).clamp(0, self.low.shape[2] - 1), held)
         return int(used.sum()) * row_bytes  # a row counts once, however many of its tokens a head still holds
 
     def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        index = (positions // self.group).clamp(0, self.low.shape[2] - 1)
+        index = self._row_of(positions).clamp(0, self.low.shape[2] - 1)
         return take_rows(self.low, index), take_rows(self.scale, index)
+
+    def _row_of(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions // self.group - self.first
 
     def _grow(self, rows: int, like: torch.Tensor) -> None:
         have = 0 if self.low is None else self.low.shape[2]

@@ -189,6 +189,10 @@ class StoredLayerKV(LayerKV):
             chosen = moved & (after == index)
             if not bool(chosen.any()):
                 continue
+            if index == len(self.rings):  # entries join the oldest tier: first let its tables drop what is gone
+                oldest = int(self.live_positions().min())
+                tier.keys.forget_before(oldest)
+                tier.values.forget_before(oldest)
             encoded = {f"{kind}.{name}": field for kind, codec, x in (("keys", tier.keys, keys),
                                                                       ("values", tier.values, values))
                        for name, field in codec.encode(x, positions, chosen).items()}

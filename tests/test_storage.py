@@ -224,3 +224,19 @@ def test_every_eviction_policy_composes_with_a_storage(tiny_llama, name):
     assert stored["kept_mean"] == plain["kept_mean"] and stored["evictions"] == plain["evictions"]
     # head_dim 16: scales weigh a lot; a policy keeping scattered tokens pays a whole key-scale row for few of them
     assert stored["kv_bytes_live"] < 0.8 * plain["kv_bytes_live"]
+
+
+def test_key_scale_rows_of_evicted_groups_are_given_back(tiny_llama):
+    codec = ChannelQuant(4, group=8)
+    x, positions = torch.randn(1, 2, 64, 16), torch.arange(64).expand(1, 2, 64)
+    fields = codec.encode(x, positions, _everything(64))
+    before = codec.decode(fields, positions)
+    codec.forget_before(40)  # groups 0-4 are gone: 5 of 8 rows dropped, the rest decode as before
+    assert codec.low.shape[2] == 3 and codec.first == 5
+    kept = {name: field[:, :, 40:] for name, field in fields.items()}
+    assert torch.equal(codec.decode(kept, positions[:, :, 40:]), before[:, :, 40:])
+    # a window over a long generation keeps its table at the size of what it holds, not of what it saw
+    policy = build_policy("window", {"storage": {"quant": {"bits": 4, "group_size": 8, "residual": 8}}})
+    cache, _ = run_cache(tiny_llama, policy, random_ids(40, seed=9), random_ids(600, seed=10), budget=32)
+    rows = [layer.layout.tiers[-1].keys.low.shape[2] for layer in cache.layers]
+    assert max(rows) <= 16 and cache.layers[0].seen == 640  # 80 groups seen
