@@ -196,20 +196,24 @@ class LayerKV(CacheLayerMixin):
 
     def _reallocate(self, capacity: int) -> None:
         """Move the live slots into new buffers of `capacity` slots."""
-        batch, heads, head_dim = self.owner.batch_heads_dim
-        old = None if self.keys is None else self._buffers()
-        kv_shape = (batch, heads, capacity, head_dim)
+        batch, heads, _ = self.owner.batch_heads_dim
+        old = None if self.positions is None else self._buffers()
         self.owner.note_allocation(capacity * batch * heads * self.entry_bytes())
-        self.keys = torch.empty(kv_shape, dtype=self.dtype, device=self.device)
-        self.values = torch.empty(kv_shape, dtype=self.dtype, device=self.device)
-        self.positions = torch.zeros(kv_shape[:3], dtype=torch.long, device=self.device)
+        self._allocate_entries(capacity)
+        self.positions = torch.zeros((batch, heads, capacity), dtype=torch.long, device=self.device)
         self.slot_stats = {
-            name: torch.zeros(kv_shape[:3] + stat.shape[3:], dtype=stat.dtype, device=self.device)
+            name: torch.zeros((batch, heads, capacity) + stat.shape[3:], dtype=stat.dtype, device=self.device)
             for name, stat in self.slot_stats.items()
         }
         if old is not None:
             for src, dst in zip(old, self._buffers(), strict=True):
                 dst[:, :, : self.length] = src[:, :, : self.length]
+
+    def _allocate_entries(self, capacity: int) -> None:
+        """The K/V buffers of `capacity` slots (their contents are copied in by `_reallocate`)."""
+        kv_shape = (*self.owner.batch_heads_dim[:2], capacity, self.owner.batch_heads_dim[2])
+        self.keys = torch.empty(kv_shape, dtype=self.dtype, device=self.device)
+        self.values = torch.empty(kv_shape, dtype=self.dtype, device=self.device)
 
     def evict(self, evicted: torch.Tensor) -> None:
         """Drop the slots `evicted` `[batch, heads, e]` (distinct per head); the others stay live."""

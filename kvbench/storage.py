@@ -123,18 +123,10 @@ class StoredLayerKV(LayerKV):
     def _buffers(self) -> list[torch.Tensor]:
         return [self.positions, *self.fields.values(), *self.slot_stats.values()]
 
-    def _reallocate(self, capacity: int) -> None:
+    def _allocate_entries(self, capacity: int) -> None:
         batch, heads, head_dim = self.owner.batch_heads_dim
-        old = None if self.positions is None else self._buffers()
-        self.owner.note_allocation(capacity * batch * heads * self.entry_bytes())
-        self.positions = torch.zeros((batch, heads, capacity), dtype=torch.long, device=self.device)
         self.fields = {name: torch.zeros((batch, heads, capacity) + shape, dtype=dtype, device=self.device)
                        for name, (shape, dtype) in _fields(self.final, head_dim, self.dtype).items()}
-        self.slot_stats = {name: torch.zeros((batch, heads, capacity) + stat.shape[3:], dtype=stat.dtype,
-                                             device=self.device) for name, stat in self.slot_stats.items()}
-        if old is not None:
-            for src, dst in zip(old, self._buffers(), strict=True):
-                dst[:, :, : self.length] = src[:, :, : self.length]
 
     def _tiers(self, positions: torch.Tensor) -> torch.Tensor:
         """Each slot's tier: 0 for the newest, len(ring_sizes) for the oldest."""
@@ -149,12 +141,14 @@ class StoredLayerKV(LayerKV):
         batch, heads, head_dim = self.owner.batch_heads_dim
         keys, values = (torch.empty((batch, heads, self.length + extra, head_dim), dtype=self.dtype,
                                     device=self.device) for _ in range(2))
-        if self.length and (not self.starts or self.starts[-1] > 0):  # the oldest tier holds something
-            live = {name: buffer[:, :, : self.length] for name, buffer in self.fields.items()}
-            _decode(self.final, live, self.live_positions(), keys[:, :, : self.length], values[:, :, : self.length])
-        if not self.starts or self.length == 0:
+        if self.length == 0:
             return keys, values
         positions = self.live_positions()
+        if not self.starts or self.starts[-1] > 0:  # the oldest tier holds something
+            live = {name: buffer[:, :, : self.length] for name, buffer in self.fields.items()}
+            _decode(self.final, live, positions, keys[:, :, : self.length], values[:, :, : self.length])
+        if not self.starts:
+            return keys, values
         tiers = self._tiers(positions)
         bounds = [self.seen, *self.starts]
         for index, (tier, ring, size) in enumerate(zip(self.layout.tiers, self.rings, self.ring_sizes, strict=False)):
