@@ -75,9 +75,7 @@ class PolicySpec(NamedSpec):
     @field_validator("budgets")
     @classmethod
     def _budgets(cls, budgets: list[int | float] | None) -> list[int | float] | None:
-        for budget in budgets or []:
-            _checked(check_budget, budget)
-        return budgets
+        return _checked_budgets(budgets)
 
 
 class TaskSpec(NamedSpec):
@@ -125,9 +123,7 @@ class SweepConfig(Strict):
     @field_validator("budgets")
     @classmethod
     def _budgets(cls, budgets: list[int | float]) -> list[int | float]:
-        for budget in budgets:
-            _checked(check_budget, budget)
-        return budgets
+        return _checked_budgets(budgets)
 
     @field_validator("pressure")
     @classmethod
@@ -192,6 +188,12 @@ class SweepConfig(Strict):
             if relevant[key] is None:
                 del relevant[key]
         return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _checked_budgets(budgets: list[int | float] | None) -> list[int | float] | None:
+    for budget in budgets or []:
+        _checked(check_budget, budget)
+    return budgets
 
 
 def _checked(check, value: Any) -> None:
