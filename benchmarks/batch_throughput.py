@@ -15,7 +15,7 @@ import statistics
 
 from kvbench.models import load_model
 from kvbench.policies import build_policy
-from kvbench.runner import RunSettings, generate_batch
+from kvbench.session import RunSettings, generate_batch
 from kvbench.tasks.corpus import load_corpus
 
 

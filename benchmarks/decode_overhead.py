@@ -18,7 +18,7 @@ import torch
 
 from kvbench.models import load_model
 from kvbench.policies import build_policy
-from kvbench.runner import RunSettings, generate
+from kvbench.session import RunSettings, generate
 from kvbench.tasks import build_task, encode_prompt
 
 

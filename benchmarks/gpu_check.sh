@@ -19,7 +19,7 @@ python=${PYTHON:-.venv/bin/python}
 import torch
 from kvbench.models import load_model
 from kvbench.policies import build_policy
-from kvbench.runner import RunSettings, generate
+from kvbench.session import RunSettings, generate
 lm = load_model("random:llama-3.2-1b", dtype="bfloat16", device="cuda")
 free = torch.cuda.mem_get_info()[0]
 ids = list(range(1000, 1000 + 131072))  # 128k tokens in one forward: the prompt alone outgrows the cap

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,6 +44,14 @@ class CacheStats:
     @property
     def cache_ratio(self) -> float:
         return self.kv_bytes_live / self.kv_bytes_full if self.kv_bytes_full else 1.0
+
+
+class Phase(str, Enum):
+    """Where a session is: compressing a prompt, or decoding after it. Only the session sets it (a str, so
+    policies compare it with "prefill")."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
 
 
 PADDING = "padding"  # per-slot stat: True where a head holds no entry (heads kept different counts)
@@ -293,7 +302,7 @@ class KVCache(Cache):
         self.observers = list({leaf.state_key: leaf for leaf in leaves}.values())
         self.observing = bool(self.observers)
         self.observe_seconds: dict[str, float] = {}
-        self.phase = "prefill"
+        self.phase = Phase.PREFILL  # set by the session (kvbench/session.py)
         self.evictions = 0
         self.peak_bytes = 0
         layout = policy.layout()  # compressed storage, or None: plain slots in the model dtype
@@ -305,7 +314,7 @@ class KVCache(Cache):
 
     def capacity_for(self, live: int, layer_idx: int) -> int:
         """Slots a layer's buffer gets when it must hold `live` entries."""
-        bounded = self.phase == "prefill" or self.policy.evicts_during_decode
+        bounded = self.phase is Phase.PREFILL or self.policy.evicts_during_decode
         if self.budget is not None and bounded and self.policy.active(self):
             return max(live, self.layer_budgets[layer_idx] + self.headroom)
         return live + self.growth
@@ -348,7 +357,7 @@ class KVCache(Cache):
         """Evict down to the budget: always after a prefill chunk, every `evict_every` tokens in decode."""
         if self.budget is None or not self.policy.active(self):
             return
-        slack = 1 if self.phase == "prefill" else self.evict_every
+        slack = 1 if self.phase is Phase.PREFILL else self.evict_every
         for layer, budget in zip(self.layers, self.layer_budgets, strict=True):
             excess = layer.length - budget
             if excess < slack:

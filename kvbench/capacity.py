@@ -15,7 +15,7 @@ from kvbench.errors import KvbenchError
 from kvbench.measure import memory_pressure
 from kvbench.models import LoadedModel
 from kvbench.policies import Policy
-from kvbench.runner import RunSettings, generate_batch
+from kvbench.session import RunSettings, generate_batch
 from kvbench.tasks.corpus import haystack_text, load_corpus
 
 

@@ -78,7 +78,7 @@ def parse_assignments(items: list[str], option: str) -> dict[str, Any]:
 
 def parse_budget(text: str) -> int | float:
     """`128` (tokens per layer and KV head) or `0.25` (a ratio of the prompt)."""
-    from kvbench.runner import check_budget
+    from kvbench.session import check_budget
 
     try:
         value: int | float = int(text)
@@ -140,7 +140,8 @@ def run(
     """Run policies on a task and compare quality, speed and cache memory."""
     from kvbench.policies import build_policy
     from kvbench.registry import load_plugins
-    from kvbench.runner import RunSettings, evaluate
+    from kvbench.runner import evaluate
+    from kvbench.session import RunSettings
     from kvbench.tasks import build_task
 
     if plugins:
@@ -560,7 +561,7 @@ def capacity_command(
     from kvbench.estimate import parse_bytes
     from kvbench.models import load_model
     from kvbench.policies import build_policy
-    from kvbench.runner import RunSettings
+    from kvbench.session import RunSettings
 
     if (context is None) == (batch is None):
         raise KvbenchError("give either --context (find the largest batch) or --batch (find the longest context)")

@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvbench.errors import KvbenchError
-from kvbench.runner import check_budget
+from kvbench.session import check_budget
 
 
 class Strict(BaseModel):

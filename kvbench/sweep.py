@@ -27,7 +27,8 @@ from kvbench.measure import memory_pressure, tracing
 from kvbench.models import LoadedModel
 from kvbench.policies import POLICIES, Policy
 from kvbench.results import RunFolder, environment, now
-from kvbench.runner import RunSettings, SharedPrefill, compressed_prompt, evaluate, repeat_timed, shared_prefill
+from kvbench.runner import compressed_prompt, evaluate, repeat_timed
+from kvbench.session import RunSettings, SharedPrefill, shared_prefill
 from kvbench.tasks import TASKS, Sample, Task
 
 

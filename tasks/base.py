@@ -14,7 +14,7 @@ from kvbench.registry import Registry, declared_params
 if TYPE_CHECKING:
     from kvbench.models import LoadedModel
     from kvbench.policies.base import Policy
-    from kvbench.runner import Generation, RunSettings, SharedPrefill
+    from kvbench.session import Generation, RunSettings, SharedPrefill
 
 # Splits the rendered chat prompt into the context part and the question part (see encode_prompt).
 _SPLIT = "\x00KVBENCH-QUESTION\x00"
@@ -62,10 +62,13 @@ class Task:
 
     def run(self, lm: LoadedModel, policy: Policy, sample: Sample, settings: RunSettings,
             shared: SharedPrefill | None = None) -> Generation:
-        """Run one sample under `policy`: by default prefill its prompt and generate one answer."""
-        from kvbench.runner import run_sample
+        """Run one sample under `policy` in an engine session (kvbench/session.py): by default prefill its
+        prompt (the context alone first with `question: agnostic`) and generate one answer greedily."""
+        from kvbench.session import generate
 
-        return run_sample(lm, policy, sample, settings, shared)
+        context_ids, question_ids = encode_prompt(lm.tokenizer, sample)
+        return generate(lm, policy, context_ids, question_ids, settings, stop=sample.stop, shared=shared,
+                        max_new_tokens=settings.max_new_tokens or sample.max_new_tokens)
 
     def outcome(self, generation: Generation, sample: Sample) -> dict[str, Any]:
         """The record's task fields: the prediction, the references and the scores (and any series)."""

@@ -46,7 +46,7 @@ class Capacity(Task):
     def run(self, lm, policy, sample, settings, shared=None):
         from kvbench.capacity import capacity
         from kvbench.estimate import parse_bytes
-        from kvbench.runner import Generation
+        from kvbench.session import Generation
 
         found = capacity(lm, policy, settings, self.search, context=sample.meta["context"], batch=self.batch,
                          decode_steps=self.decode_steps, bound=self.max, corpus=self.corpus,

@@ -14,8 +14,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from kvbench.errors import KvbenchError
 from kvbench.tasks.base import Sample, Task, register
 from kvbench.tasks.corpus import haystack_text, load_corpus
@@ -106,39 +104,28 @@ class Dialogue(Task):
         return context_length, passages * self.reply_tokens + self.facts * (self.reply_tokens + self.answer_tokens)
 
     def run(self, lm, policy, sample, settings, shared=None):
-        from kvbench.measure import PeakMemory, Stopwatch
-        from kvbench.runner import Generation, cache_measurements, decode, forward, new_cache, policy_budget, timings
+        from kvbench.session import Generation, Session
 
         template = _turn_template(lm.tokenizer)
         turn_ids = [lm.tokenizer(template.user(turn["text"], first=i == 0), add_special_tokens=False).input_ids
                     for i, turn in enumerate(sample.turns)]
-        user_tokens = sum(map(len, turn_ids))
-        budget = policy_budget(policy, settings, user_tokens, chunked=True)
         eos = lm.eos_token_ids
         close = lm.tokenizer(template.close, add_special_tokens=False).input_ids
-        # a turn arrives with the last reply's unfed token and the template's end of that reply
-        cache = new_cache(lm, policy, budget, settings, headroom=max(map(len, turn_ids)) + len(close) + 1)
+        # a turn arrives with the last reply's pending token and the template's end of that reply
+        session = Session(lm, policy, settings, prompt_tokens=sum(map(len, turn_ids)), chunked=True,
+                          arrival=max(map(len, turn_ids)) + len(close) + 1)
         answers, fact_at, asked_at = {}, {}, {}
-        prefill_s, first_s, step_s, pending = 0.0, None, [], []
-        with torch.inference_mode(), PeakMemory(lm.device) as memory:
+        with session:
             for number, (turn, ids) in enumerate(zip(sample.turns, turn_ids, strict=True)):
-                ids = pending + close + ids if number else ids
                 if "fact" in turn:
-                    fact_at[turn["fact"]] = cache.layers[0].seen
-                if "asks" in turn:
-                    asked_at[turn["asks"]] = cache.layers[0].seen + len(ids)
-                cache.phase = "prefill"
-                clock = Stopwatch(lm.device)
-                logits = forward(lm, cache, ids)
-                cache.compress()
-                prefill_s += clock.lap()
-                limit = self.answer_tokens if "asks" in turn else self.reply_tokens
-                tokens, to_first, steps, logits = decode(lm, cache, logits, limit, eos,
-                                                         ("\n",) if "asks" in turn else ())
-                first_s = to_first + prefill_s if first_s is None else first_s
-                step_s += steps
-                pending = [] if tokens[-1] in eos else tokens[-1:]
-                if "asks" in turn:
+                    fact_at[turn["fact"]] = session.seen
+                session.prefill(close + ids if number else ids)
+                asks = "asks" in turn
+                if asks:
+                    asked_at[turn["asks"]] = session.seen
+                tokens = session.decode(self.answer_tokens if asks else self.reply_tokens, eos,
+                                        ("\n",) if asks else ())[0]
+                if asks:
                     text = lm.tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
                     answers[turn["asks"]] = text.strip().split("\n")[0]
         questions = []
@@ -146,15 +133,8 @@ class Dialogue(Task):
             correct = _matches(answers[index], fact["value"])
             questions.append({"question": fact["question"], "expected": fact["value"], "answer": answers[index],
                               "correct": correct, "distance": asked_at[index] - fact_at[index]})
-        measurements = {
-            **timings(user_tokens, prefill_s, first_s, step_s, generated_tokens=len(step_s) + len(sample.turns)),
-            "budget_tokens": budget,
-            "budget_scope": policy.budget_scope,
-            **cache_measurements(cache, memory),
-            **policy.report(),
-        }
         prediction = " | ".join(answers[i] for i in range(len(sample.meta["facts"])))
-        return Generation(prediction, [], logits, measurements, extra={"questions": questions})
+        return Generation(prediction, [], session.logits, session.measurements(), extra={"questions": questions})
 
     def outcome(self, generation, sample: Sample) -> dict[str, Any]:
         questions = generation.extra["questions"]

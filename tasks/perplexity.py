@@ -15,8 +15,6 @@ import random
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import torch
-
 from kvbench.errors import KvbenchError
 from kvbench.tasks.base import Sample, Task, register
 from kvbench.tasks.corpus import load_corpus
@@ -65,33 +63,16 @@ class Perplexity(Task):
         return (0, context_length) if self.mode == "exact" else (context_length, 0)
 
     def run(self, lm, policy, sample, settings, shared=None):
-        from kvbench.measure import PeakMemory, Stopwatch
-        from kvbench.runner import Generation, cache_measurements, forward, new_cache, policy_budget, timings
+        from kvbench.session import Generation, Session
 
         ids = sample.token_ids
         step = 1 if self.mode == "exact" else self.chunk
-        budget = policy_budget(policy, settings, len(ids), chunked=True)
-        cache = new_cache(lm, policy, budget, settings, headroom=step, growth=max(step, 256))
-        nll, step_s = [], []
-        with torch.inference_mode(), PeakMemory(lm.device) as memory:
-            clock = Stopwatch(lm.device)
-            for start in range(0, len(ids) - 1, step):
-                piece = ids[start : min(start + step, len(ids) - 1)]
-                targets = torch.tensor(ids[start + 1 : start + 1 + len(piece)], device=lm.device)
-                logits = forward(lm, cache, piece, all_logits=True)
-                nll.append(torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none"))
-                cache.compress()
-                step_s.append(clock.lap())
-        nll_by_position = torch.cat(nll).tolist()
-        measurements = {
-            # every token is read as prompt; `exact` times each one-token step as a decode step
-            **timings(len(ids) - 1, sum(step_s), None, step_s if self.mode == "exact" else [], generated_tokens=0),
-            "budget_tokens": budget,
-            "budget_scope": "prefill" if policy.phases else "none",  # the cache compresses after every step
-            **cache_measurements(cache, memory),
-            **policy.report(),
-        }
-        return Generation("", [], logits[-1:], measurements, extra={"nll_by_position": nll_by_position})
+        session = Session(lm, policy, settings, prompt_tokens=len(ids), arrival=step, growth=max(step, 256),
+                          chunked=True)
+        with session:  # a fresh session streams the text as a prompt, compressing after every step
+            nll = (-session.score(ids, chunk=step).logprobs).tolist()
+        # every token is read as prompt; `exact` times each one-token step as a decode step
+        return Generation("", [], session.logits, session.measurements(), extra={"nll_by_position": nll})
 
     def outcome(self, generation, sample: Sample) -> dict[str, Any]:
         nll = generation.extra["nll_by_position"]

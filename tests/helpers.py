@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 
 from kvbench.cache import KVCache
-from kvbench.runner import forward
+from kvbench.session import RunSettings, Session
 
 
 def kept_masks(cache: KVCache) -> list[torch.Tensor]:
@@ -19,21 +19,21 @@ def kept_masks(cache: KVCache) -> list[torch.Tensor]:
     return masks
 
 
-@torch.inference_mode()
-def run_cache(lm, policy, prompt, decode, budget, chunk=None, evict_every=1):
-    """Feed `prompt` (in chunks if given) then `decode` tokens one by one, as the runner does;
-    return the cache and the kept masks after the prompt and after each decode token."""
-    cache = KVCache(lm.num_layers, (1, lm.kv_heads, lm.head_dim), policy, budget, evict_every=evict_every,
-                    headroom=max(evict_every, chunk or 1), growth=len(decode))
-    chunk = chunk or len(prompt)
-    for start in range(0, len(prompt), chunk):
-        forward(lm, cache, prompt[start : start + chunk])
-        cache.compress()
-    history = [kept_masks(cache)]
-    cache.phase = "decode"
+def run_session(lm, policy, prompt, decode, budget, chunk=None, evict_every=1):
+    """Prefill `prompt` (in chunks if given) then step `decode` tokens one by one in a session; return the
+    session and the kept masks after the prompt and after each decode token."""
+    settings = RunSettings(budget=budget, prefill="chunked" if chunk else "full", prefill_chunk=chunk or 512,
+                           evict_every=evict_every)
+    session = Session(lm, policy, settings, prompt_tokens=len(prompt), growth=len(decode))
+    session.prefill(prompt)
+    history = [kept_masks(session.cache)]
     for token in decode:
-        forward(lm, cache, [token])
-        if policy.evicts_during_decode:
-            cache.compress()
-        history.append(kept_masks(cache))
-    return cache, history
+        session.step(token)
+        history.append(kept_masks(session.cache))
+    return session, history
+
+
+def run_cache(lm, policy, prompt, decode, budget, chunk=None, evict_every=1):
+    """`run_session`'s cache and kept masks."""
+    session, history = run_session(lm, policy, prompt, decode, budget, chunk, evict_every)
+    return session.cache, history

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvbench.policies import build_policy
-from kvbench.runner import RunSettings, generate, generate_batch
+from kvbench.session import RunSettings, generate, generate_batch
 from tests.conftest import random_ids
 
 LENGTHS = (41, 64, 29)
@@ -29,13 +29,12 @@ def test_each_row_decodes_as_it_would_alone(sharp_llama, policy, budget):
 
 def test_padding_is_masked_in_the_prompt_forward(sharp_llama):
     """A padded row's last logits equal the unpadded prompt's (padding changes nothing it can see)."""
-    from kvbench.cache import KVCache
-    from kvbench.runner import forward
+    from kvbench.session import Session
 
     short, long = random_ids(20, seed=1), random_ids(33, seed=2)
-    cache = KVCache(sharp_llama.num_layers, (2, sharp_llama.kv_heads, sharp_llama.head_dim), build_policy("full"),
-                    None, left_padding=torch.tensor([13, 0]))
-    batched = forward(sharp_llama, cache, torch.tensor([[0] * 13 + short, long]))
-    alone = KVCache(sharp_llama.num_layers, (1, sharp_llama.kv_heads, sharp_llama.head_dim), build_policy("full"), None)
-    assert torch.allclose(batched[0], forward(sharp_llama, alone, short)[0], atol=1e-4)
-    assert cache.layers[0].live_entries() == (20 + 33) * sharp_llama.kv_heads
+    batched = Session(sharp_llama, build_policy("full"), RunSettings(), 33, left_padding=torch.tensor([13, 0]))
+    batched.prefill(torch.tensor([[0] * 13 + short, long]))
+    alone = Session(sharp_llama, build_policy("full"), RunSettings(), 20)
+    alone.prefill(short)
+    assert torch.allclose(batched.logits[0], alone.logits[0], atol=1e-4)
+    assert batched.cache.layers[0].live_entries() == (20 + 33) * sharp_llama.kv_heads

@@ -8,7 +8,7 @@ import torch
 import kvbench.attention as attention
 from kvbench.cache import KVCache
 from kvbench.policies import build_policy
-from kvbench.runner import RunSettings, generate
+from kvbench.session import RunSettings, generate
 from tests.conftest import random_ids
 from tests.helpers import run_cache
 
@@ -53,7 +53,7 @@ def test_compressing_a_long_prompt_gives_memory_back():
 @pytest.mark.parametrize("name", ["window", "streaming_llm", "h2o", "random", "tova", "hybrid", "scissorhands"])
 @pytest.mark.parametrize("evict_every", [1, 4])
 def test_decode_time_policies_never_hold_more_than_budget_plus_slack(sharp_llama, name, evict_every):
-    budget, prompt, decode = 32, random_ids(80, seed=21), random_ids(20, seed=22)
+    budget, prompt, decode = 36, random_ids(80, seed=21), random_ids(20, seed=22)  # above hybrid's snapkv window
     cache, history = run_cache(sharp_llama, build_policy(name), prompt, decode, budget, evict_every=evict_every)
     slot_bytes = 2 * sharp_llama.kv_heads * sharp_llama.head_dim * 4 * sharp_llama.num_layers
     assert cache.stats().kv_bytes_physical <= (budget + evict_every) * slot_bytes

@@ -9,7 +9,7 @@ import pytest
 from kvbench.capacity import capacity, largest_fitting
 from kvbench.errors import KvbenchError
 from kvbench.policies import build_policy
-from kvbench.runner import RunSettings
+from kvbench.session import RunSettings
 
 
 @pytest.mark.parametrize("threshold", [1, 2, 3, 37, 64, 65, 1000])

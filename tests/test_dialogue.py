@@ -7,7 +7,8 @@ import pytest
 from kvbench.errors import KvbenchError
 from kvbench.models import byte_tokenizer
 from kvbench.policies import build_policy
-from kvbench.runner import RunSettings, evaluate
+from kvbench.runner import evaluate
+from kvbench.session import RunSettings
 from kvbench.tasks import build_task
 from kvbench.tasks.dialogue import _matches
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from kvbench.policies import build_policy
-from kvbench.runner import RunSettings, evaluate
+from kvbench.runner import evaluate
+from kvbench.session import RunSettings
 from kvbench.tasks import build_task
 from tests.conftest import needs_embedded
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvbench.policies import POLICIES, Policy, build_policy
-from kvbench.runner import RunSettings, generate
+from kvbench.session import RunSettings, generate
 from tests.conftest import random_ids
 
 NEW_TOKENS = 12

@@ -10,7 +10,8 @@ import torch
 
 from kvbench.measure import Sampler, open_nvml, tracing
 from kvbench.policies import build_policy
-from kvbench.runner import RunSettings, evaluate
+from kvbench.runner import evaluate
+from kvbench.session import RunSettings
 from kvbench.tasks import build_task
 
 GiB = 2**30

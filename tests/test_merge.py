@@ -7,8 +7,9 @@ import torch
 
 from kvbench.cache import KVCache
 from kvbench.policies import build_policy
-from kvbench.runner import RunSettings, generate
+from kvbench.session import RunSettings, generate
 from tests.conftest import random_ids
+from tests.helpers import run_cache
 
 HEADS, DIM = 2, 3
 
@@ -46,11 +47,7 @@ def test_every_token_stays_represented_in_a_real_model(tiny_llama, target):
     stats = generation.measurements
     assert stats["kept_mean"] == 32 and stats["evictions"] > 0
     # (the cache object is gone; run the same prefill by hand to read the weights)
-    cache = KVCache(tiny_llama.num_layers, (1, tiny_llama.kv_heads, tiny_llama.head_dim), policy, 32)
-    from kvbench.runner import forward
-
-    forward(tiny_llama, cache, random_ids(120, seed=3))
-    cache.compress()
+    cache, _ = run_cache(tiny_llama, policy, random_ids(120, seed=3), [], budget=32)
     for layer in cache.layers:
         assert layer.length == 32
         assert torch.all((1 + layer.slot_stat(policy.state_key)).sum(-1) == 120)

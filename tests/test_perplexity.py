@@ -11,7 +11,8 @@ import torch
 
 from kvbench.errors import KvbenchError
 from kvbench.policies import build_policy
-from kvbench.runner import RunSettings, evaluate
+from kvbench.runner import evaluate
+from kvbench.session import RunSettings
 from kvbench.tasks import build_task
 from kvbench.tasks.corpus import load_corpus
 from tests.conftest import needs_embedded

@@ -7,9 +7,8 @@ import torch
 from transformers import DynamicCache
 
 from kvbench.policies import build_policy
-from kvbench.runner import forward
 from tests.conftest import random_ids, sharpen
-from tests.helpers import run_cache
+from tests.helpers import run_session
 from tests.reference import reference_attention, stock_forward
 
 
@@ -23,8 +22,9 @@ def test_evicted_cache_equals_masked_full_cache(sharp_llama, name, params):
     positions of each layer and KV head, and the new token at position len(prompt)."""
     lm = sharp_llama
     prompt, following = random_ids(160, seed=6), random_ids(1, seed=7)
-    cache, history = run_cache(lm, build_policy(name, params), prompt, [], budget=48)
-    ours = forward(lm, cache, following)
+    session, history = run_session(lm, build_policy(name, params), prompt, [], budget=48)
+    session.append(following)
+    ours = session.logits
 
     stock = DynamicCache()
     with reference_attention(lm) as attention:
@@ -44,8 +44,8 @@ def test_window_equals_model_run_on_kept_tokens_with_original_positions():
     lm.model.model.layers = lm.model.model.layers[:1]
     lm.model.config.num_hidden_layers = 1
     prompt, budget = random_ids(120, seed=8), 32
-    cache, _ = run_cache(lm, build_policy("streaming_llm", {"sinks": 4}), prompt, [], budget=budget)
-    ours = forward(lm, cache, [65])
+    session, _ = run_session(lm, build_policy("streaming_llm", {"sinks": 4}), prompt, [], budget=budget)
+    ours = session.step(65)
 
     kept_positions = list(range(4)) + list(range(len(prompt) - (budget - 4), len(prompt)))
     ids = torch.tensor([[prompt[p] for p in kept_positions] + [65]])

@@ -13,7 +13,7 @@ from kvbench.cache import KVCache
 from kvbench.codecs import ChannelQuant, LowRank, TokenQuant, pack, unpack
 from kvbench.errors import KvbenchError
 from kvbench.policies import POLICIES, Policy, build_policy
-from kvbench.runner import RunSettings, generate
+from kvbench.session import RunSettings, generate
 from tests.conftest import random_ids
 from tests.helpers import run_cache
 

@@ -1,0 +1,442 @@
+"""The engine session: one cache under one policy and budget, and the few calls every task makes of it.
+
+    session = Session(lm, policy, settings, prompt_tokens=len(prompt), growth=max_new_tokens)
+    with session:                             # peak memory is measured over the block
+        session.prefill(context)              # `full` or `chunked`, compressing as the settings say
+        session.append(question)              # text after compression (an agnostic question)
+        tokens, = session.decode(32, eos)     # greedy; a decode-time policy evicts as tokens arrive
+    record = session.measurements()           # speed, byte and memory columns
+
+`step(token)` is one decode step, `score(ids)` the log-probabilities of a continuation teacher-forced through
+the compressed cache, `fork()` an independent copy (one compressed context, many questions). The phase is the
+session's state: `prefill` compresses what it feeds as a prompt and leaves the session in the decode phase,
+where only a decode-time policy evicts (every `evict_every` tokens). A generated token is fed with whatever
+comes next, so a conversation continues exactly where its reply stopped.
+
+Positions are true token positions (RoPE continues at the number of tokens seen), while the mask is sized by
+the cache's own length. A left-padded batch is one session too: each row counts positions from its first
+real token, padding is masked and evicted first.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, NamedTuple
+
+import torch
+
+from kvbench.cache import KVCache, Phase
+from kvbench.errors import KvbenchError
+from kvbench.measure import PeakMemory, Stopwatch
+from kvbench.models import LoadedModel
+from kvbench.policies.base import Policy
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    budget: int | float | None = None  # tokens per layer and KV head, or a ratio of the prompt (< 1)
+    prefill: Literal["full", "chunked"] = "full"
+    prefill_chunk: int = 512
+    question: Literal["aware", "agnostic"] = "aware"
+    evict_every: int = 1
+    max_new_tokens: int | None = None  # overrides the task's
+    kv_limit_bytes: int | None = None  # KV-cache bytes allowed before an out-of-memory error (CPU pressure)
+
+    def __post_init__(self) -> None:
+        if self.prefill not in ("full", "chunked"):
+            raise KvbenchError(f"prefill mode must be 'full' or 'chunked', got '{self.prefill}'")
+        if self.question not in ("aware", "agnostic"):
+            raise KvbenchError(f"question placement must be 'aware' or 'agnostic', got '{self.question}'")
+        if self.prefill_chunk < 1 or self.evict_every < 1:
+            raise KvbenchError("prefill_chunk and evict_every must be at least 1")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise KvbenchError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        check_budget(self.budget)
+
+
+def check_budget(budget: int | float | None) -> None:
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
+        raise KvbenchError(f"budget must be a positive token count or a ratio in (0, 1), got {budget!r}")
+    if isinstance(budget, float) and not budget.is_integer() and budget > 1:
+        raise KvbenchError(f"budget {budget} is neither a token count nor a ratio in (0, 1]")
+
+
+def resolve_budget(budget: int | float | None, prompt_tokens: int) -> int | None:
+    """Tokens per layer and KV head: a ratio (<= 1.0 as a float) is taken of the prompt length."""
+    if budget is None:
+        return None
+    if isinstance(budget, float) and budget <= 1.0:
+        return max(1, round(budget * prompt_tokens))
+    return int(budget)
+
+
+class Scored(NamedTuple):
+    """What `Session.score` returns, one entry per scored token."""
+
+    logprobs: torch.Tensor  # float32 log-probability of each token
+    greedy: torch.Tensor  # bool: the token was the most likely one
+
+
+@dataclass
+class SharedPrefill:
+    """One forward over a prompt, gathering every listed policy's statistics; each cell of a sweep that
+    compresses this prompt starts from a copy of its cache instead of running the prompt again."""
+
+    cache: KVCache
+    logits: torch.Tensor
+    seconds: float
+    memory: PeakMemory
+
+    def seconds_for(self, policy: Policy) -> float:
+        """The forward's time without the other policies' statistics: what `policy` alone would have spent."""
+        spent = self.cache.observe_seconds
+        own = sum(spent.get(leaf.state_key, 0.0) for leaf in {p.state_key: p for p in policy.observers()}.values())
+        return self.seconds - sum(spent.values()) + own
+
+
+class Session:
+    """A cache under `policy` at the settings' budget (resolved against `prompt_tokens`), fed through `lm`.
+
+    Sizing: between two evictions a layer may receive a prefill chunk, `evict_every` decode tokens or
+    `arrival` tokens at once (a question, a user turn, a scored chunk), so its buffer has room for that beyond
+    the budget; a cache that stops evicting grows `growth` slots at a time. `chunked` says whether the prompt
+    is compressed more than once (default: the settings' prefill mode); `observers` gathers the statistics of
+    other policies too (a shared prefill); `left_padding` `[batch]` makes it a left-padded batch.
+    """
+
+    def __init__(self, lm: LoadedModel, policy: Policy, settings: RunSettings, prompt_tokens: int, *,
+                 arrival: int = 1, growth: int = 256, chunked: bool | None = None,
+                 observers: list[Policy] | None = None, left_padding: torch.Tensor | None = None) -> None:
+        self.lm, self.policy, self.settings = lm, policy, settings
+        self.budget = policy_budget(policy, settings, prompt_tokens,
+                                    settings.prefill == "chunked" if chunked is None else chunked)
+        headroom = max(settings.evict_every, settings.prefill_chunk if settings.prefill == "chunked" else 1, arrival)
+        self.rows = 1 if left_padding is None else len(left_padding)
+        padded = left_padding is not None and int(left_padding.max()) > 0
+        self.cache = KVCache(lm.num_layers, (self.rows, lm.kv_heads, lm.head_dim), policy, self.budget,
+                             evict_every=settings.evict_every, headroom=headroom, growth=growth,
+                             observers=observers, limit_bytes=settings.kv_limit_bytes,
+                             left_padding=left_padding if padded else None)
+        self.logits: torch.Tensor | None = None  # [rows, vocab]: the prediction of the next token
+        self.pending: list[int] = []  # a generated token not fed yet: it goes in front of what comes next
+        self.shared: SharedPrefill | None = None
+        self.memory: PeakMemory | None = None
+        self.prefill_s = 0.0  # prefill, append and score time
+        self.ttft_s: float | None = None
+        self.step_s: list[float] = []  # each one-token step (decode, or scoring one token at a time)
+        self.prompt_tokens = 0  # tokens fed other than by decoding
+        self.generated_tokens = 0
+        self.decoded = False  # entered the decode phase at least once
+
+    # --- measurement ---------------------------------------------------------------------
+    def __enter__(self) -> Session:
+        self.memory = PeakMemory(self.lm.device).__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.memory.__exit__(*exc)
+
+    @property
+    def seen(self) -> int:
+        """Tokens fed so far (a pending generated token not included)."""
+        return self.cache.layers[0].seen
+
+    def measurements(self) -> dict[str, Any]:
+        """The record's speed, byte and memory columns (after the `with` block)."""
+        if self.memory is None:
+            raise RuntimeError("measurements() needs the session to have run inside `with session:`")
+        scope = self.policy.budget_scope if self.decoded else ("prefill" if self.policy.phases else "none")
+        return {
+            **timings(self.prompt_tokens, self.prefill_s, self.ttft_s, self.step_s, self.generated_tokens,
+                      rows=self.rows),
+            "budget_tokens": self.budget,
+            "budget_scope": scope,
+            **cache_measurements(self.cache, self.memory, self.shared),
+            **self.policy.report(),
+        }
+
+    # --- the calls -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, ids: list[int] | torch.Tensor, shared: SharedPrefill | None = None) -> None:
+        """Feed a prompt (or a new user turn) and compress it as a prompt: once after it (`full`), or after
+        every `prefill_chunk` tokens (`chunked`). With `shared` (a `full` prefill of exactly these tokens into
+        an empty session), start from a copy of its cache instead of running the forward."""
+        ids = self._inputs(ids)
+        self._enter(Phase.PREFILL)
+        clock = Stopwatch(self.lm.device)
+        own_statistics = 0.0
+        if shared is not None:
+            if self.settings.prefill == "chunked" or self.seen or shared.cache.layers[0].seen != ids.shape[1]:
+                raise ValueError("a shared prefill serves only a `full` prefill of the same prompt")
+            self.cache.adopt(shared.cache)
+            self.logits, self.shared = shared.logits, shared
+            self.cache.compress()
+            own_statistics = shared.seconds_for(self.policy)
+        else:
+            chunk = self.settings.prefill_chunk if self.settings.prefill == "chunked" else ids.shape[1]
+            for start in range(0, ids.shape[1], chunk):
+                self.logits = self._forward(ids[:, start : start + chunk])[:, -1]
+                self._compress()
+        self._enter(Phase.DECODE)
+        self.prefill_s += clock.lap() + own_statistics
+        self.prompt_tokens += ids.numel()
+
+    @torch.inference_mode()
+    def append(self, ids: list[int] | torch.Tensor) -> None:
+        """Feed text that arrives after compression (an agnostic question): decode phase, one forward."""
+        ids = self._inputs(ids)
+        self._enter(Phase.DECODE)
+        clock = Stopwatch(self.lm.device)
+        self.logits = self._forward(ids)[:, -1]
+        self._compress()
+        self.prefill_s += clock.lap()
+        self.prompt_tokens += ids.numel()
+
+    @torch.inference_mode()
+    def step(self, token: int | torch.Tensor) -> torch.Tensor:
+        """One decode step: feed one token per row (`[rows]`), evict as a decode-time policy must; returns the
+        next token's logits `[rows, vocab]`."""
+        ids = self._inputs([int(token)] if isinstance(token, int) else token.reshape(self.rows, 1))
+        self._enter(Phase.DECODE)
+        clock = Stopwatch(self.lm.device)
+        self.logits = self._forward(ids)[:, -1]
+        self._compress()
+        self.step_s.append(clock.lap())
+        return self.logits
+
+    @torch.inference_mode()
+    def decode(self, max_new_tokens: int, eos: set[int], stop: tuple[str, ...] = ()) -> list[list[int]]:
+        """Greedy tokens from the pending prediction on, each fed back, until every row produced an
+        end-of-sequence token (or, single row, a `stop` string) or `max_new_tokens`. Each row's tokens run up
+        to and including its first end-of-sequence token. The last token is not fed: it is pending."""
+        if self.logits is None:
+            raise RuntimeError("decode() needs a prediction: prefill, append or step first")
+        eos_ids = torch.tensor(sorted(eos) or [-1])
+        clock = Stopwatch(self.lm.device)
+        token = self.logits.argmax(-1).cpu()
+        rows = [[t] for t in token.tolist()]
+        first_s = clock.lap()
+        if self.ttft_s is None:
+            self.ttft_s = self.prefill_s + first_s
+        done = torch.isin(token, eos_ids)
+        while len(rows[0]) < max_new_tokens and not (bool(done.all()) or self._stopped(rows, stop)):
+            token = self.step(token).argmax(-1).cpu()
+            for row, t in zip(rows, token.tolist(), strict=True):
+                row.append(t)
+            done |= torch.isin(token, eos_ids)
+        rows = [_through_first(row, eos) for row in rows]
+        self.generated_tokens += sum(map(len, rows))
+        self.pending = rows[0][-1:] if self.rows == 1 and rows[0][-1] not in eos else []
+        return rows
+
+    @torch.inference_mode()
+    def score(self, ids: list[int], chunk: int | None = None) -> Scored:
+        """Log-probabilities of `ids`, teacher-forced through the cache `chunk` tokens at a time (all at once
+        by default), compressing after each chunk as the phase says: on a fresh session the text streams as a
+        prompt; after a prefill it is a continuation, where a decode-time policy evicts. Every token is scored
+        from what precedes it, the first from the pending prediction; a fresh session has none, so there
+        the first token only starts the text and `len(ids) - 1` are scored. The last token is left pending.
+        Single row."""
+        if self.rows != 1:
+            raise ValueError("score() runs on a single-row session")
+        before = None if self.pending else self.logits
+        fed = self._inputs(ids[:-1])
+        targets = torch.tensor(ids, device=self.lm.device)[(0 if before is not None else 1) :]
+        chunk = chunk or max(1, fed.shape[1])
+        logprobs, greedy = [], []
+        if before is not None:
+            logprobs.append(before.float().log_softmax(-1))
+        for start in range(0, fed.shape[1], chunk):
+            clock = Stopwatch(self.lm.device)
+            logits = self._forward(fed[:, start : start + chunk], all_logits=True)[0]
+            self._compress()
+            seconds = clock.lap()
+            self.prefill_s += seconds
+            if logits.shape[0] == 1:
+                self.step_s.append(seconds)
+            logprobs.append(logits.float().log_softmax(-1))
+            self.logits = logits[-1:]
+        self.prompt_tokens += fed.shape[1]
+        self.pending = [int(ids[-1])]
+        table = torch.cat(logprobs)
+        greedy = table.argmax(-1) == targets
+        return Scored(table.gather(-1, targets[:, None])[:, 0], greedy)
+
+    def fork(self) -> Session:
+        """An independent copy: its own cache, policy state, pending token and counters; the model is shared.
+        Measure it in its own `with` block."""
+        twin = copy.copy(self)
+        with torch.inference_mode():
+            twin.policy, twin.cache = copy.deepcopy((self.policy, self.cache))
+        twin.pending, twin.step_s, twin.memory = list(self.pending), list(self.step_s), None
+        return twin
+
+    # --- internals -----------------------------------------------------------------------
+    def _inputs(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
+        """`[rows, n]` ids on the model's device, the pending token in front."""
+        ids = torch.tensor([ids], dtype=torch.long) if isinstance(ids, list) else ids
+        if self.pending:
+            ids = torch.cat([torch.tensor([self.pending], dtype=ids.dtype), ids.cpu()], dim=1)
+            self.pending = []
+        return ids.to(self.lm.device)
+
+    def _enter(self, phase: Phase) -> None:
+        self.cache.phase = phase
+        self.decoded |= phase is Phase.DECODE
+
+    def _compress(self) -> None:
+        """Evict to the budget: always after prompt text, in the decode phase only for a decode-time policy."""
+        if self.cache.phase is Phase.PREFILL or self.policy.evicts_during_decode:
+            self.cache.compress()
+
+    def _forward(self, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """Feed `ids` `[rows, n]` after what the cache has seen; the logits `[rows, n, vocab]` of every
+        position with `all_logits`, else of the last one only (`[rows, 1, vocab]`)."""
+        cache, lm = self.cache, self.lm
+        seen, length = cache.layers[0].seen, cache.layers[0].length
+        positions = torch.arange(seen, seen + ids.shape[1], device=lm.device)[None]
+        if cache.left_padding is not None:  # each row counts from its first real token; padding sits at 0
+            positions = (positions - cache.left_padding.to(lm.device)[:, None]).clamp(min=0)
+        kwargs: dict[str, Any] = {
+            lm.cache_arg: cache,
+            "position_ids": positions,
+            "use_cache": True,
+            "logits_to_keep": 0 if all_logits else 1,
+            "kv_observer": cache,
+        }
+        if lm.takes_cache_position:  # transformers < 5.2x sizes the mask from cache positions
+            kwargs["cache_position"] = torch.arange(length, length + ids.shape[1], device=lm.device)
+        return lm.model(input_ids=ids, **kwargs).logits
+
+    def _stopped(self, rows: list[list[int]], stop: tuple[str, ...]) -> bool:
+        if not stop or self.rows != 1:
+            return False
+        text = self.lm.tokenizer.decode(rows[0], skip_special_tokens=True)
+        return any(s in text.lstrip() for s in stop)
+
+
+def _through_first(row: list[int], eos: set[int]) -> list[int]:
+    ends = [i for i, t in enumerate(row) if t in eos]
+    return row[: ends[0] + 1] if ends else row
+
+
+def policy_budget(policy: Policy, settings: RunSettings, prompt_tokens: int, chunked: bool) -> int | None:
+    """The resolved budget of `policy` for a prompt of `prompt_tokens`, after the policy's own checks."""
+    budget = None if not policy.phases else resolve_budget(settings.budget, prompt_tokens)
+    if policy.phases and budget is None:
+        raise KvbenchError(f"policy '{policy.name}' needs a budget")
+    if budget is not None:
+        policy.check_budget(budget)
+    policy.check_settings(chunked=chunked)
+    return budget
+
+
+def timings(prompt_tokens: int, prefill_s: float, ttft_s: float | None, step_s: list[float],
+            generated_tokens: int, rows: int = 1) -> dict[str, Any]:
+    """The record's speed columns; `step_s` are one-token steps, each for each of `rows` sequences."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": generated_tokens,
+        "ttft_s": ttft_s,
+        "tpot_s": statistics.median(step_s) if step_s else None,
+        "prefill_tok_s": prompt_tokens / prefill_s,
+        "decode_tok_s": rows * len(step_s) / sum(step_s) if step_s else None,
+    }
+
+
+def cache_measurements(cache: KVCache, memory: PeakMemory, shared: SharedPrefill | None = None) -> dict[str, Any]:
+    """The cache's byte accounting and the process's memory peak: the record's memory columns."""
+    stats = cache.stats()
+    return {
+        **asdict(stats),
+        "cache_ratio": stats.cache_ratio,
+        # a cell that adopted a shared prefill peaked at least where that forward did
+        "mem_peak_alloc": _peak(memory, shared, "peak_bytes"),
+        "mem_peak_reserved": _peak(memory, shared, "peak_reserved"),
+        "mem_peak_device": _peak(memory, shared, "peak_device"),
+        "mem_baseline": memory.baseline_bytes,
+        "mem_device_note": memory.device_note,
+        **({} if cache.limit_bytes is None else {
+            "kv_limit_bytes": cache.limit_bytes,
+            # the limit bounds the cache; what the process grew by says whether the rest fit too
+            "mem_growth_over_limit": memory.peak_bytes - memory.baseline_bytes > cache.limit_bytes}),
+        "prefill_shared": shared is not None,
+    }
+
+
+def _peak(memory: PeakMemory, shared: SharedPrefill | None, name: str) -> int | None:
+    values = [v for v in (getattr(memory, name), getattr(shared.memory, name) if shared else None) if v is not None]
+    return max(values) if values else None
+
+
+# --- what most tasks need: one prompt, one answer ------------------------------------------------
+
+@dataclass
+class Generation:
+    """What a task's run returns: the text, its tokens, the final logits, and the measurements."""
+
+    prediction: str
+    tokens: list[int]
+    last_logits: torch.Tensor | None
+    measurements: dict[str, Any]
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # a task's own outputs (see Task.outcome)
+
+
+def generate(lm: LoadedModel, policy: Policy, context_ids: list[int], question_ids: list[int],
+             settings: RunSettings, max_new_tokens: int, stop: tuple[str, ...] = (),
+             eos_token_ids: set[int] | None = None, shared: SharedPrefill | None = None) -> Generation:
+    """Prefill (or adopt `shared`, a prefill of the same prompt in `full` mode), compress, decode greedily."""
+    agnostic = settings.question == "agnostic"
+    eos = lm.eos_token_ids if eos_token_ids is None else eos_token_ids
+    session = Session(lm, policy, settings, prompt_tokens=len(context_ids) + len(question_ids),
+                      arrival=len(question_ids) if agnostic else 1,
+                      growth=max_new_tokens + (len(question_ids) if agnostic else 0))
+    with session:
+        session.prefill(context_ids if agnostic else context_ids + question_ids, shared=shared)
+        if agnostic and question_ids:
+            session.append(question_ids)
+        tokens = session.decode(max_new_tokens, eos, stop)[0]
+    tokens = tokens[:-1] if tokens[-1] in eos else tokens
+    text = lm.tokenizer.decode(tokens, skip_special_tokens=True)
+    return Generation(_cut(text, stop), tokens, session.logits, session.measurements())
+
+
+def generate_batch(lm: LoadedModel, policy: Policy, prompts: list[list[int]], settings: RunSettings,
+                   max_new_tokens: int, eos_token_ids: set[int] | None = None,
+                   ) -> tuple[list[list[int]], dict[str, Any]]:
+    """Greedy decoding of several prompts in one cache: left-padded to the longest (padding is masked, evicted
+    first and never counted as kept), one budget for every row so the cache stays rectangular. Returns each
+    row's tokens (up to its end of sequence) and the run's measurements."""
+    longest = max(map(len, prompts))
+    pad_id = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
+    padding = torch.tensor([longest - len(p) for p in prompts])
+    ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts])
+    eos = lm.eos_token_ids if eos_token_ids is None else eos_token_ids
+    session = Session(lm, policy, settings, prompt_tokens=longest, growth=max_new_tokens, left_padding=padding)
+    with session:
+        session.prefill(ids)
+        rows = session.decode(max_new_tokens, eos)
+    rows = [row[:-1] if row[-1] in eos else row for row in rows]
+    return rows, {**session.measurements(), "batch": len(prompts)}
+
+
+def shared_prefill(lm: LoadedModel, ids: list[int], observers: list[Policy]) -> SharedPrefill:
+    """The prompt's forward once, gathering every `observers` policy's statistics, for cells to adopt."""
+    from kvbench.policies.full import Full
+
+    session = Session(lm, Full(), RunSettings(), prompt_tokens=len(ids), growth=0, observers=observers)
+    with session:
+        session.prefill(ids)
+    return SharedPrefill(session.cache, session.logits, session.prefill_s, session.memory)
+
+
+def _cut(text: str, stop: tuple[str, ...]) -> str:
+    text = text.strip()
+    for s in stop:
+        text = text.split(s, 1)[0]
+    return text.strip()
