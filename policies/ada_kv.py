@@ -1,17 +1,17 @@
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Policy, build_spec, register
+from kvbench.policies.base import Wrapper, register
 
 
 @register
 @dataclass
-class AdaKV(Policy):
+class AdaKV(Wrapper):
     """Ada-KV (Feng et al. 2024): a layer's heads share its budget by score, each keeping at least a floor."""
 
     name = "ada_kv"
@@ -19,25 +19,26 @@ class AdaKV(Policy):
     needs_attention = True
     base: str | dict[str, Any] = "snapkv"  # whose scores (and layer budgets) are shared out: snapkv, pyramidkv
     alpha: float = 0.2  # floor: every head keeps at least alpha x budget entries (its window counts)
-    _base: Policy = field(default=None, init=False, repr=False, compare=False)
+    decides = frozenset({"select"})  # its stage scores; the kept set is its own
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 0.0 <= self.alpha <= 1.0:
             raise KvbenchError(f"policy 'ada_kv' parameter 'alpha' must be in [0, 1], got {self.alpha}")
-        self._base = build_spec(self.base)
-        if self._base.phases != ("prefill",) or not self._base.needs_attention:
-            raise KvbenchError(f"policy 'ada_kv': base '{self._base.name}' must be a prefill-time attention scorer "
-                               "(snapkv, pyramidkv)")
+        self._stages = (self.build_stage(self.base),)
+        if self._stages[0].phases != ("prefill",) or not self._stages[0].needs_attention:
+            raise KvbenchError(f"policy 'ada_kv': base '{self._stages[0].name}' must be a prefill-time attention "
+                               "scorer (snapkv, pyramidkv)")
 
     def check_settings(self, chunked: bool) -> None:
+        super().check_settings(chunked)
         if chunked:  # later chunks would be scored against padding slots
             raise KvbenchError("policy 'ada_kv' compresses the prompt once: use prefill mode 'full'")
 
     def select(self, layer, budget: int) -> torch.Tensor:
         # the top `floor` of each head are guaranteed; the rest of heads x budget goes to the best scores of
         # any head: flattened top-k over the layer
-        scores = self._base.score(layer, budget)
+        scores = self.stage(layer.owner).score(layer, budget)
         batch, heads, n = scores.shape
         floor = min(round(self.alpha * budget), budget)
         guaranteed = torch.zeros_like(scores, dtype=torch.bool)
@@ -47,18 +48,3 @@ class AdaKV(Policy):
         keep = torch.zeros_like(ranked, dtype=torch.bool)
         keep.scatter_(-1, ranked.topk(heads * budget, dim=-1).indices, True)
         return keep.view(batch, heads, n)
-
-    def score(self, layer, budget: int) -> torch.Tensor:
-        return self._base.score(layer, budget)
-
-    def observers(self) -> list[Policy]:
-        return self._base.observers()
-
-    def state_keys(self) -> list[str]:
-        return self._base.state_keys()
-
-    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
-        return self._base.layer_budgets(budget, num_layers)
-
-    def check_budget(self, budget: int) -> None:
-        self._base.check_budget(budget)

@@ -7,12 +7,12 @@ import psutil
 import torch
 
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Policy, build_spec, register
+from kvbench.policies.base import Wrapper, register
 
 
 @register
 @dataclass
-class Adaptive(Policy):
+class Adaptive(Wrapper):
     """Full cache while it fits a memory limit, then a fallback policy at the budget; the record says when."""
 
     name = "adaptive"
@@ -20,7 +20,6 @@ class Adaptive(Policy):
     limit_bytes: int | None = None  # KV bytes (all layers) that trigger the switch
     limit_fraction: float = 0.5  # without limit_bytes: this share of the device's (or RAM's) free memory
     fallback: str | dict[str, Any] = "streaming_llm"
-    _policy: Policy = field(default=None, init=False, repr=False, compare=False)
     _limit: int | None = field(default=None, init=False, repr=False, compare=False)
     _switched_at: int | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -31,34 +30,22 @@ class Adaptive(Policy):
         if not 0 < self.limit_fraction <= 1:
             raise KvbenchError(
                 f"policy 'adaptive' parameter 'limit_fraction' must be in (0, 1], got {self.limit_fraction}")
-        self._policy = build_spec(self.fallback)
-        if not self._policy.evicts_during_decode:
-            raise KvbenchError(f"policy 'adaptive': fallback '{self._policy.name}' does not evict while decoding")
+        self._stages = (self.build_stage(self.fallback),)
+        if not self._stages[0].evicts_during_decode:
+            raise KvbenchError(f"policy 'adaptive': fallback '{self._stages[0].name}' does not evict while decoding")
 
     def active(self, cache) -> bool:
-        if self._switched_at is not None:
-            return True
-        if self._limit is None:
-            self._limit = self.limit_bytes if self.limit_bytes is not None else int(self.limit_fraction * _free_bytes())
-        if cache.live_bytes() >= self._limit:
+        if self._switched_at is None:
+            if self._limit is None:
+                self._limit = self.limit_bytes if self.limit_bytes is not None else int(
+                    self.limit_fraction * _free_bytes())
+            if cache.live_bytes() < self._limit:
+                return False
             self._switched_at = cache.layers[0].seen
-            return True
-        return False
-
-    def observers(self) -> list[Policy]:
-        return self._policy.observers()
-
-    def score(self, layer, budget: int) -> torch.Tensor:
-        return self._policy.score(layer, budget)
-
-    def check_budget(self, budget: int) -> None:
-        self._policy.check_budget(budget)
-
-    def state_keys(self) -> list[str]:
-        return self._policy.state_keys()
+        return super().active(cache)
 
     def report(self) -> dict[str, Any]:
-        return {"switched_at_token": self._switched_at, "limit_bytes": self._limit}
+        return {**super().report(), "switched_at_token": self._switched_at, "limit_bytes": self._limit}
 
 
 def _free_bytes() -> int:

@@ -11,7 +11,8 @@ policy takes one with `storage:` (`{name: h2o, storage: {quant: {bits: 4}}}`): f
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
@@ -23,6 +24,22 @@ if TYPE_CHECKING:
     from kvbench.storage import Layout
 
 PHASES = ("prefill", "decode")
+HookScope = Literal["active", "first", "all"]
+
+
+def hook(scope: HookScope) -> Callable[[Callable], Callable]:
+    """Marks a `Policy` method as a hook, which a `Wrapper` forwards to its stages by `scope`: to the stage in
+    charge of the call's cache ("active"), to the stage that compresses the prompt ("first"), or to every
+    stage, their results combined ("all")."""
+    def mark(method: Callable) -> Callable:
+        method.hook_scope = scope
+        return method
+    return mark
+
+
+def hooks() -> dict[str, HookScope]:
+    """Every hook of `Policy`, by name: what a wrapper forwards."""
+    return {name: member.hook_scope for name, member in vars(Policy).items() if hasattr(member, "hook_scope")}
 
 
 @dataclasses.dataclass
@@ -54,39 +71,48 @@ class Policy:
         """This instance's family: an eviction policy given a storage is a hybrid."""
         return "hybrid" if self.storage is not None else self.family
 
+    @hook("all")
     def observe(
         self, layer: LayerKV, query: torch.Tensor, key: torch.Tensor, scaling: float, phase: str
     ) -> None:
         """Gather statistics after a layer's attention. `key` is every live key, the new ones last."""
 
+    @hook("active")
     def score(self, layer: LayerKV, budget: int) -> torch.Tensor:
         """`[batch, kv_heads, length]` scores of the live slots; the top `budget` per head are kept."""
         raise NotImplementedError
 
+    @hook("active")
     def select(self, layer: LayerKV, budget: int) -> torch.Tensor | None:
         """A `[batch, kv_heads, length]` keep mask with any count per head (Ada-KV); None: the top `budget`
         of `score()` per head."""
         return None
 
+    @hook("active")
     def fold(self, layer: LayerKV, evicted: torch.Tensor) -> None:
         """Called before the slots `evicted` `[batch, heads, e]` leave: a merging policy folds them into
         entries that stay. Dropping them (the default) needs nothing."""
 
+    @hook("first")
     def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
         """Entries per KV head for each layer; the total is `num_layers x budget`."""
         return [budget] * num_layers
 
+    @hook("active")
     def active(self, cache: KVCache) -> bool:
         """Whether the cache should evict now (a policy may wait, e.g. until a memory limit is reached)."""
         return True
 
+    @hook("all")
     def report(self) -> dict[str, Any]:
         """Events a record should carry (e.g. when an adaptive policy switched)."""
         return {}
 
+    @hook("all")
     def check_settings(self, chunked: bool) -> None:
         """Raise KvbenchError when this policy cannot run with these run settings."""
 
+    @hook("all")
     def check_budget(self, budget: int) -> None:
         """Raise KvbenchError when this policy cannot work within `budget` tokens."""
         if budget < 1:
@@ -111,10 +137,12 @@ class Policy:
         return {"name": self.name, **{key: getattr(self, key) for key in self.params()
                                       if key != "storage" or self.storage is not None}}
 
+    @hook("all")
     def observers(self) -> list[Policy]:
         """The policies whose `observe` must run for this one: itself, or a wrapper's stages."""
         return [self] if self.needs_attention else []
 
+    @hook("all")
     def state_keys(self) -> list[str]:
         """Every per-slot statistic this policy reads (a wrapper's stages have their own)."""
         return [self.state_key]
@@ -153,6 +181,58 @@ def storage_policy(spec: str | dict[str, Any], owner: str) -> Policy:
         storages = ", ".join(n for n in POLICIES.names() if POLICIES.get(n).layout is not Policy.layout)
         raise KvbenchError(f"policy '{owner}': storage '{name}' is not a storage policy (use {storages})")
     return policy
+
+
+@dataclasses.dataclass
+class Wrapper(Policy):
+    """A policy made of other policies, its stages (`_stages`, set in `__post_init__`). Every hook of `Policy`
+    is forwarded to the stages by its scope (see `hook`; the forwarding methods are generated below), so a hook
+    added to `Policy` reaches every wrapper. A wrapper overrides only what it decides itself, and names in
+    `decides` the hooks it answers without asking its stages."""
+
+    decides: ClassVar[frozenset[str]] = frozenset()
+    _stages: tuple[Policy, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)
+
+    def stage(self, cache: KVCache) -> Policy:
+        """The stage in charge of `cache` now (by default the first)."""
+        return self._stages[0]
+
+    def build_stage(self, spec: str | dict[str, Any]) -> Policy:
+        stage = build_spec(spec)
+        if stage.storage is not None:
+            raise KvbenchError(f"policy '{self.name}': give storage to '{self.name}' itself, not to its stage "
+                               f"'{stage.name}'")
+        return stage
+
+
+def _forwarding(name: str, scope: HookScope) -> Callable:
+    def forward(self: Wrapper, *args: Any, **kwargs: Any) -> Any:
+        if scope == "all":
+            return _combined([getattr(stage, name)(*args, **kwargs) for stage in self._stages])
+        # an "active" hook's first argument is a layer (whose owner is the cache) or the cache
+        stage = self._stages[0] if scope == "first" else self.stage(getattr(args[0], "owner", args[0]))
+        return getattr(stage, name)(*args, **kwargs)
+
+    forward.__name__ = forward.__qualname__ = name
+    forward.__doc__ = f"`Policy.{name}` of the stages (scope: {scope})."
+    forward.hook_scope = scope
+    forward.forwards = True
+    return forward
+
+
+def _combined(results: list[Any]) -> Any:
+    """Every stage's answer to an "all" hook as one: nothing, merged mappings or concatenated lists."""
+    if all(result is None for result in results):
+        return None
+    if all(isinstance(result, dict) for result in results):
+        return {key: value for result in results for key, value in result.items()}
+    if all(isinstance(result, list) for result in results):
+        return [item for result in results for item in result]
+    raise TypeError(f"cannot combine the stages' answers {results!r}")
+
+
+for _name, _scope in hooks().items():
+    setattr(Wrapper, _name, _forwarding(_name, _scope))
 
 
 def recent_mask(layer: LayerKV, count: int) -> torch.Tensor:

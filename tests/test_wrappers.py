@@ -1,0 +1,139 @@
+"""Wrappers (compose, hybrid, adaptive, ada_kv) forward every policy hook to their stages by construction."""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvbench.cache import Phase
+from kvbench.policies import POLICIES, Policy, build_policy
+from kvbench.policies.base import Wrapper, hooks
+from tests.conftest import random_ids
+from tests.helpers import run_session
+
+# Policy's public members that are not hooks: what a policy *is* (name, parameters, storage, statistic names),
+# not what the cache asks of it while running. A new member must be added here or be a @hook.
+NOT_HOOKS = {"budget_scope", "describe", "evicts_during_decode", "kind", "layout", "params", "state_key"}
+ANSWERS = {"report": {}, "observers": [], "state_keys": [], "layer_budgets": [1], "active": True}
+
+
+def public_members(cls: type) -> set[str]:
+    return {name for name, member in vars(cls).items()
+            if not name.startswith("_") and (callable(member) or isinstance(member, (property, classmethod)))}
+
+
+def test_every_public_member_of_policy_is_a_hook_or_declared_not_one():
+    assert public_members(Policy) - set(hooks()) == NOT_HOOKS
+    assert {"score", "select", "fold", "layer_budgets", "active", "observe", "report"} <= set(hooks())
+
+
+WRAPPERS = sorted(name for name in POLICIES.names() if issubclass(POLICIES.get(name), Wrapper))
+
+
+def test_the_registered_wrappers_are_the_known_ones():
+    assert WRAPPERS == ["ada_kv", "adaptive", "compose", "hybrid"]
+
+
+class Spy(Policy):
+    """Answers every hook and records which were called."""
+
+    name = "spy"
+
+    def __init__(self) -> None:  # no dataclass fields: a spy has no parameters
+        self.storage, self._storage, self.calls = None, None, []
+
+
+def _recorder(name: str):
+    def record(self, *args, **kwargs):
+        self.calls.append(name)
+        return ANSWERS.get(name)
+    return record
+
+
+for _name in hooks():
+    setattr(Spy, _name, _recorder(_name))
+
+
+def call_hook(policy: Policy, name: str, cache) -> None:
+    layer = SimpleNamespace(owner=cache)
+    arguments = {"observe": (layer, None, None, 1.0, cache.phase), "score": (layer, 8), "select": (layer, 8),
+                 "fold": (layer, None), "layer_budgets": (8, 2), "active": (cache,), "report": (),
+                 "check_settings": (False,), "check_budget": (8,), "observers": (), "state_keys": ()}
+    getattr(policy, name)(*arguments[name])
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+@pytest.mark.parametrize("phase", [Phase.PREFILL, Phase.DECODE])
+def test_each_wrapper_forwards_every_hook_to_the_stage_it_concerns(wrapper, phase):
+    params = {"limit_bytes": 1} if wrapper == "adaptive" else {}  # switched at once: its fallback is in charge
+    policy = build_policy(wrapper, params)
+    policy._stages = tuple(Spy() for _ in policy._stages)
+    cache = SimpleNamespace(phase=phase, live_bytes=lambda: 10, layers=[SimpleNamespace(seen=5)])
+    for name, scope in hooks().items():
+        if name in policy.decides:
+            continue
+        for spy in policy._stages:
+            spy.calls.clear()
+        call_hook(policy, name, cache)
+        reached = [spy for spy in policy._stages if name in spy.calls]
+        expected = {"all": list(policy._stages), "first": [policy._stages[0]], "active": [policy.stage(cache)]}
+        assert reached == expected[scope], f"{wrapper}.{name} in {phase.value}"
+
+
+def test_what_a_wrapper_decides_itself_is_declared():
+    """A wrapper's own hook methods either still reach the stages (tested above) or are listed in `decides`."""
+    for name in WRAPPERS:
+        cls = POLICIES.get(name)
+        own = {hook for hook in hooks() if not getattr(inspect.getattr_static(cls, hook), "forwards", False)}
+        assert cls.decides <= own, name
+    assert POLICIES.get("ada_kv").decides == {"select"}
+
+
+def test_compose_picks_the_stage_by_phase():
+    policy = build_policy("compose")
+    assert policy.stage(SimpleNamespace(phase=Phase.PREFILL)).name == "snapkv"
+    assert policy.stage(SimpleNamespace(phase=Phase.DECODE)).name == "h2o"
+
+
+def test_compose_with_pyramidkv_uses_its_layer_budgets(tiny_llama):
+    pyramid = {"name": "pyramidkv", "window": 8, "beta": 4}
+    policy = build_policy("compose", {"prefill": pyramid, "decode": "h2o"})
+    expected = build_policy("pyramidkv", {"window": 8, "beta": 4}).layer_budgets(48, tiny_llama.num_layers)
+    assert policy.layer_budgets(48, tiny_llama.num_layers) == expected and len(set(expected)) > 1
+    session, _ = run_session(tiny_llama, policy, random_ids(120, seed=1), random_ids(6, seed=2), budget=48)
+    assert [layer.length for layer in session.cache.layers] == expected  # the pyramid holds while decoding
+
+
+def _represented(session) -> list[int]:
+    """Per layer, the tokens the entries stand for (each entry itself plus what was merged into it)."""
+    merge = next(stage for stage in session.policy._stages if stage.name == "merge")
+    return [int((1 + layer.slot_stat(merge.state_key)).sum(-1).min()) for layer in session.cache.layers]
+
+
+@pytest.mark.parametrize("wrapper", ["compose", "adaptive"])
+def test_a_merge_stage_merges(tiny_llama, wrapper):
+    merge = {"name": "merge", "recent": 8, "sinks": 2}
+    params = {"prefill": "window", "decode": merge} if wrapper == "compose" else {"limit_bytes": 1, "fallback": merge}
+    prompt, decode = random_ids(40, seed=3), random_ids(30, seed=4)  # the prompt fits: decode evicts 22 tokens
+    session, _ = run_session(tiny_llama, build_policy(wrapper, params), prompt, decode, budget=48)
+    assert session.cache.evictions > 0 and session.cache.layers[0].length == 48
+    assert _represented(session) == [len(prompt) + len(decode)] * tiny_llama.num_layers
+
+
+def test_stages_take_no_storage_of_their_own():
+    from kvbench.errors import KvbenchError
+
+    with pytest.raises(KvbenchError, match="give storage to 'compose' itself"):
+        build_policy("compose", {"prefill": {"name": "snapkv", "storage": "quant"}})
+    assert build_policy("compose", {"storage": {"quant": {"bits": 4}}}).layout() is not None
+
+
+def test_adaptive_reports_its_switch_and_its_stage(tiny_llama):
+    session, _ = run_session(tiny_llama, build_policy("adaptive", {"limit_bytes": 1, "fallback": "window"}),
+                             random_ids(40, seed=5), random_ids(4, seed=6), budget=32)
+    report = session.policy.report()
+    assert report["switched_at_token"] == 40 and report["limit_bytes"] == 1
+    assert torch.equal(session.cache.layers[0].live_positions().sort(-1).values[0, 0], torch.arange(12, 44))
