@@ -1,0 +1,121 @@
+"""The engine session: scoring through the compressed cache, forks that share nothing, pending tokens, phases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbench.cache import Phase
+from kvbench.policies import build_policy
+from kvbench.session import RunSettings, Session
+from tests.conftest import random_ids
+
+CONTEXT, CONTINUATION = random_ids(120, seed=11), random_ids(20, seed=12)
+
+
+def one_pass_logprobs(lm, context: list[int], continuation: list[int]) -> torch.Tensor:
+    """The stock model over context + continuation: each continuation token's log-probability."""
+    with torch.inference_mode():
+        logits = lm.model(input_ids=torch.tensor([context + continuation])).logits[0].float()
+    table = logits[len(context) - 1 : -1].log_softmax(-1)
+    return table.gather(-1, torch.tensor(continuation)[:, None])[:, 0]
+
+
+def scored(lm, policy: str, budget: int | None, chunk: int | None = None):
+    session = Session(lm, build_policy(policy), RunSettings(budget=budget), prompt_tokens=len(CONTEXT),
+                      arrival=chunk or len(CONTINUATION))
+    with session:
+        session.prefill(CONTEXT)
+        result = session.score(CONTINUATION, chunk=chunk)
+    return session, result
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 7])
+def test_score_through_a_cache_that_holds_everything_is_the_models_own(tiny_llama, chunk):
+    _, result = scored(tiny_llama, "window", budget=len(CONTEXT) + len(CONTINUATION), chunk=chunk)
+    torch.testing.assert_close(result.logprobs, one_pass_logprobs(tiny_llama, CONTEXT, CONTINUATION),
+                               atol=1e-5, rtol=1e-5)
+    full, _ = scored(tiny_llama, "full", budget=None, chunk=chunk)
+    assert full.cache.evictions == 0 and full.pending == CONTINUATION[-1:]
+
+
+@pytest.mark.parametrize("policy", ["window", "h2o", "snapkv"])
+def test_score_really_goes_through_the_compressed_cache(sharp_llama, policy):
+    session, small = scored(sharp_llama, policy, budget=40)
+    _, roomy = scored(sharp_llama, policy, budget=len(CONTEXT) + len(CONTINUATION))
+    assert session.cache.evictions > 0
+    assert (small.logprobs - roomy.logprobs).abs().max() > 1e-3
+    assert small.greedy.dtype == torch.bool and small.greedy.shape == (len(CONTINUATION),)
+    if policy != "snapkv":  # a decode-time policy keeps evicting while the continuation arrives
+        assert max(layer.length for layer in session.cache.layers) <= 40
+
+
+def test_a_fresh_session_scores_every_token_but_the_first(tiny_llama):
+    text = CONTEXT + CONTINUATION
+    session = Session(tiny_llama, build_policy("full"), RunSettings(), prompt_tokens=len(text), arrival=16)
+    with session:
+        result = session.score(text, chunk=16)
+    torch.testing.assert_close(result.logprobs, one_pass_logprobs(tiny_llama, text[:1], text[1:]),
+                               atol=1e-5, rtol=1e-5)
+    assert session.cache.phase is Phase.PREFILL and not session.decoded  # streamed as a prompt
+    assert session.measurements()["budget_scope"] == "none"
+
+
+def test_a_fork_shares_nothing_mutable(sharp_llama):
+    question_a, question_b = random_ids(6, seed=13), random_ids(6, seed=14)
+    session = Session(sharp_llama, build_policy("h2o"), RunSettings(budget=48), prompt_tokens=len(CONTEXT),
+                      arrival=6, growth=16)
+    with session:
+        session.prefill(CONTEXT)
+    before = [(layer.keys.clone(), layer.live_positions().clone()) for layer in session.cache.layers]
+    answers = []
+    for question in (question_a, question_b, question_a):
+        with session.fork() as branch:
+            branch.append(question)
+            answers.append(branch.decode(8, eos=set())[0])
+    assert answers[0] == answers[2] and answers[0] != answers[1]
+    for layer, (keys, positions) in zip(session.cache.layers, before, strict=True):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.live_positions(), positions)
+    # a fork answers as a session built from scratch does
+    alone = Session(sharp_llama, build_policy("h2o"), RunSettings(budget=48), prompt_tokens=len(CONTEXT),
+                    arrival=6, growth=16)
+    with alone:
+        alone.prefill(CONTEXT)
+        alone.append(question_a)
+        assert alone.decode(8, eos=set())[0] == answers[0]
+
+
+def test_a_generated_token_is_fed_with_what_comes_next(tiny_llama):
+    session = Session(tiny_llama, build_policy("full"), RunSettings(), prompt_tokens=len(CONTEXT), arrival=8)
+    with session:
+        session.prefill(CONTEXT)
+        tokens = session.decode(5, eos=set())[0]
+        assert session.pending == tokens[-1:] and session.seen == len(CONTEXT) + 4
+        session.append(CONTINUATION[:3])
+        assert session.pending == [] and session.seen == len(CONTEXT) + 5 + 3
+    stock = torch.tensor([CONTEXT + tokens + CONTINUATION[:3]])
+    with torch.inference_mode():
+        expected = tiny_llama.model(input_ids=stock).logits[:, -1]
+    torch.testing.assert_close(session.logits, expected, atol=1e-5, rtol=1e-5)
+    measured = session.measurements()
+    assert measured["prompt_tokens"] == len(CONTEXT) + 4 and measured["generated_tokens"] == 5
+
+
+def test_the_phase_is_the_sessions(tiny_llama):
+    session = Session(tiny_llama, build_policy("snapkv", {"window": 8}), RunSettings(budget=40),
+                      prompt_tokens=len(CONTEXT), growth=16)
+    assert session.cache.phase is Phase.PREFILL
+    with session:
+        session.prefill(CONTEXT)
+        assert session.cache.phase is Phase.DECODE and session.cache.layers[0].length == 40
+        session.decode(6, eos=set())
+    assert session.cache.layers[0].length == 45  # a prefill-time policy lets the generation grow
+    assert session.measurements()["budget_scope"] == "prefill"
+
+
+def test_decode_needs_a_prediction_and_measurements_a_with_block(tiny_llama):
+    session = Session(tiny_llama, build_policy("full"), RunSettings(), prompt_tokens=4)
+    with pytest.raises(RuntimeError, match="prefill"):
+        session.decode(2, eos=set())
+    with pytest.raises(RuntimeError, match="with session"):
+        session.measurements()
