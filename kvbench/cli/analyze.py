@@ -1,0 +1,119 @@
+"""Commands that read run folders: `summarize`, `plot`, `report`, `recommend`, `baseline`, `gate`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from kvbench.cli.app import app, parse_fraction, run_folder, stdout, user_errors
+
+
+@app.command()
+@user_errors
+def summarize(
+    run: str = typer.Argument(..., help="Run folder."),
+    latex: bool = typer.Option(False, "--latex", help="Also write summary.tex (booktabs, best per column in bold)."),
+) -> None:
+    """(Re)write summary.csv and summary.md of a run folder from its records."""
+    from kvbench.report import latex as latex_tables
+    from kvbench.summary import summarize as write_summary
+
+    folder = run_folder(run)
+    frame = write_summary(folder)
+    if latex:
+        (folder / "summary.tex").write_text(latex_tables(frame))
+    stdout.print(f"{run}: {len(frame)} cells summarized into summary.csv, summary.md"
+                 f"{', summary.tex' if latex else ''}", highlight=False)
+
+
+@app.command()
+@user_errors
+def plot(
+    run: str = typer.Argument(..., help="Run folder."),
+    out: str | None = typer.Option(None, "--out", help="Folder for the figures (default RUN/figures)."),
+    fmt: str = typer.Option("png", "--format", help="png, pdf or svg."),
+    style: str = typer.Option("default", "--style", help="default, or paper: two-column sizes, fonts that embed."),
+    log_x: bool = typer.Option(False, "--log-x", help="Logarithmic cache-ratio / bytes axis."),
+) -> None:
+    """Draw score vs cache ratio and bytes, needle heatmaps, memory, speed and the Pareto front."""
+    from kvbench.plot import plot_run
+
+    paths = plot_run(run_folder(run), out, fmt, style, log_x)
+    stdout.print(f"{len(paths)} figures in {paths[0].parent}: " + ", ".join(p.name for p in paths), highlight=False)
+
+
+@app.command()
+@user_errors
+def report(
+    run: str = typer.Argument(..., help="Run folder."),
+    max_drop: float = typer.Option(2.0, "--max-drop", min=0, help="Allowed drop (points) for the recommendation."),
+) -> None:
+    """Write RUN/report.html: one offline file with the run, tables, figures and a failure gallery."""
+    from kvbench.report import html_report
+
+    path = html_report(run_folder(run), max_drop)
+    stdout.print(f"report: {path}", highlight=False)
+
+
+@app.command()
+@user_errors
+def recommend(
+    run: str = typer.Argument(..., help="Run folder."),
+    max_drop: float = typer.Option(2.0, "--max-drop", min=0, help="Allowed score drop vs full, in points; the "
+                                   "low end of the paired 95% CI must stay within it."),
+) -> None:
+    """The smallest cache that stays within the allowed drop of full, per task and context length."""
+    from kvbench.report import recommend as pick
+    from kvbench.summary import summarize as read_summary
+    from kvbench.tables import recommend_table
+
+    stdout.print(recommend_table(pick(read_summary(run_folder(run), write=False), max_drop), max_drop))
+
+
+@app.command()
+@user_errors
+def baseline(
+    run: str = typer.Argument(..., help="Run folder to freeze."),
+    out: str = typer.Option(..., "--out", help="Baseline file to write, e.g. baselines/smoke.json."),
+) -> None:
+    """Freeze a run's per-cell metrics (scores per sample, kv peak, speed ratios) as a baseline."""
+    from kvbench.gate import make_baseline
+
+    made = make_baseline(run, out)
+    stdout.print(f"{out}: baseline of {len(made['cells'])} cells from {run}", highlight=False)
+
+
+@app.command(name="gate")
+@user_errors
+def gate_command(
+    run: str = typer.Argument(..., help="Run folder to check."),
+    baseline_path: str = typer.Option(..., "--baseline", help="Baseline from `kvbench baseline`."),
+    max_drop: float = typer.Option(1.0, "--max-drop", min=0, help="Allowed score drop in points (score x 100); a "
+                                   "cell fails only if the 95% CI of its paired change lies wholly below -max-drop."),
+    max_mem_increase: str = typer.Option("5%", "--max-mem-increase", help="Allowed growth of kv peak bytes."),
+    max_slowdown: str | None = typer.Option(None, "--max-slowdown", help="Allowed fall of decode/prefill tokens/s "
+                                            "relative to full in the same run, e.g. 20%; unchecked if not given."),
+    strict: bool = typer.Option(False, "--strict", help="Fail on cells missing from the run or the baseline."),
+    junit_path: str | None = typer.Option(None, "--junit", help="Write JUnit XML here."),
+    markdown_path: str | None = typer.Option(None, "--markdown", help="Write a Markdown report here."),
+) -> None:
+    """Check a run against a baseline: exit 1 on a regression, 2 on bad input, 0 otherwise."""
+    from kvbench.gate import Limits, gate, junit, load_baseline, markdown
+    from kvbench.tables import gate_table
+
+    limits = Limits(max_drop=max_drop, max_mem_increase=parse_fraction(max_mem_increase, "--max-mem-increase"),
+                    max_slowdown=None if max_slowdown is None else parse_fraction(max_slowdown, "--max-slowdown"),
+                    strict=strict)
+    checks = gate(run, load_baseline(baseline_path), limits)
+    stdout.print(gate_table(checks, f"kvbench gate: {run} against {baseline_path}"))
+    if junit_path:
+        Path(junit_path).write_text(junit(checks))
+    if markdown_path:
+        Path(markdown_path).write_text(markdown(checks))
+    failed = [c for c in checks if c.failed]
+    stdout.print(f"{len(failed)} of {len(checks)} cells failed" if failed else f"all {len(checks)} cells passed",
+                 highlight=False)
+    if failed:
+        raise typer.Exit(1)
+

@@ -1,0 +1,131 @@
+"""The Typer app every command registers on, and what the commands share: the consoles, one-line errors,
+option parsers, the progress bar and the run-folder check."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import typer
+import yaml
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from kvbench import __version__
+from kvbench.errors import KvbenchError
+
+app = typer.Typer(
+    help="Benchmark KV-cache eviction and compression policies: quality, speed and measured memory.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+stdout = Console(width=max(Console().width, 110))
+stderr = Console(stderr=True)
+PLUGINS = typer.Option(None, "--plugins", help="Folder of extra policy/task files to load.")
+
+
+def user_errors(command: Callable) -> Callable:
+    """Bad input ends in one line naming the culprit and exit code 2, never a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except KvbenchError as exc:
+            stderr.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"kvbench {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    logging.basicConfig(format="kvbench: %(message)s", level=logging.WARNING)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+
+
+def parse_assignments(items: list[str], option: str) -> dict[str, Any]:
+    """`k=v` pairs; values are read as YAML scalars or lists (`4`, `0.5`, `max`, `[0.1,0.5]`)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise KvbenchError(f"{option} '{item}' is not of the form key=value")
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise KvbenchError(f"{option} '{item}': the value is not valid YAML") from None
+    return out
+
+
+def parse_budget(text: str) -> int | float:
+    """`128` (tokens per layer and KV head) or `0.25` (a ratio of the prompt)."""
+    from kvbench.session import check_budget
+
+    try:
+        value: int | float = int(text)
+    except ValueError:
+        try:
+            value = float(text)
+        except ValueError:
+            raise KvbenchError(f"budget '{text}' is not a number") from None
+    check_budget(value)
+    return value
+
+
+def policy_params(names: list[str], params: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Route `--param k=v` to every named policy that has `k`; `--param snapkv.window=16` to one."""
+    from kvbench.policies import POLICIES
+
+    routed: dict[str, dict[str, Any]] = {name: {} for name in names}
+    for key, value in params.items():
+        target, _, param = key.rpartition(".")
+        takers = [target] if target else [n for n in names if param in POLICIES.get(n).params()]
+        if target and target not in routed:
+            raise KvbenchError(f"--param {key}: policy '{target}' is not among --policy {', '.join(names)}")
+        if not takers:
+            raise KvbenchError(f"--param {key}: none of the policies {', '.join(names)} has a parameter '{param}'")
+        for name in takers:
+            routed[name][param] = value
+    return routed
+
+
+
+def progress_bar(disable: bool) -> Progress:
+    return Progress(
+        TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("eta"), TimeRemainingColumn(), console=stderr, disable=disable, transient=True,
+    )
+
+
+def run_folder(run: str) -> Path:
+    if not (Path(run) / "manifest.json").exists():
+        raise KvbenchError(f"not a run folder (no manifest.json): {run}")
+    return Path(run)
+
+
+def parse_fraction(text: str, option: str) -> float:
+    """`5%` or `0.05` -> 0.05."""
+    try:
+        value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
+    except ValueError:
+        raise KvbenchError(f"{option} '{text}' is not a percentage like 5% or a fraction like 0.05") from None
+    if value < 0:
+        raise KvbenchError(f"{option} must not be negative, got {text}")
+    return value
+

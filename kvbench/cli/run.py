@@ -1,0 +1,105 @@
+"""`kvbench run`: policies on one task, without a run folder."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import typer
+
+from kvbench.cli.app import (
+    PLUGINS,
+    app,
+    parse_assignments,
+    parse_budget,
+    policy_params,
+    progress_bar,
+    stdout,
+    user_errors,
+)
+from kvbench.errors import KvbenchError
+
+
+@app.command()
+@user_errors
+def run(
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help="Hub id, local folder, .gguf file, "
+                              "smollm2-135m (embedded) or random:<shape>."),
+    policy: list[str] = typer.Option(["full"], "--policy", "-p", help="Policy name; repeat to compare several."),
+    param: list[str] = typer.Option([], "--param", help="Policy parameter k=v (or policy.k=v); repeatable."),
+    budget: list[str] = typer.Option(["0.25"], "--budget", "-b", help="Tokens per layer and KV head (128) or "
+                                     "a ratio of the prompt (0.25); repeatable."),
+    task: str = typer.Option("niah", "--task", "-t", help="Task name (see `kvbench tasks`)."),
+    task_param: list[str] = typer.Option([], "--task-param", help="Task parameter k=v; repeatable."),
+    context: list[int] = typer.Option([1024], "--context", "-c", help="Context length in tokens; repeatable."),
+    depth: list[float] = typer.Option([], "--depth", help="Needle depth in [0, 1]; repeatable (niah)."),
+    samples: int = typer.Option(1, "--samples", "-n", min=1, help="Samples per context length (and depth)."),
+    prefill: str = typer.Option("full", "--prefill", help="full: one forward, then compress; chunked: "
+                                "compress after every --prefill-chunk tokens."),
+    prefill_chunk: int = typer.Option(512, "--prefill-chunk", min=1, help="Chunk size for --prefill chunked."),
+    question: str = typer.Option("aware", "--question", help="aware: question inside the compressed prompt; "
+                                 "agnostic: context compressed first, question appended after."),
+    evict_every: int = typer.Option(1, "--evict-every", min=1, help="Decode-time slack: evict once this "
+                                    "many tokens exceed the budget."),
+    max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", min=1, help="Override the task's."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
+    device_map: str | None = typer.Option(None, "--device-map", help="'auto' to spread a large model over GPUs."),
+    seed: int = typer.Option(0, "--seed", help="Seed for sample generation and random weights."),
+    plugins: str | None = PLUGINS,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON record per sample instead of a table."),
+) -> None:
+    """Run policies on a task and compare quality, speed and cache memory."""
+    from kvbench.policies import build_policy
+    from kvbench.registry import load_plugins
+    from kvbench.runner import evaluate
+    from kvbench.session import RunSettings
+    from kvbench.tasks import build_task
+
+    if plugins:
+        load_plugins(plugins)
+    settings = [
+        RunSettings(budget=parse_budget(b), prefill=prefill, prefill_chunk=prefill_chunk, question=question,
+                    evict_every=evict_every, max_new_tokens=max_new_tokens)
+        for b in budget
+    ]
+    routed = policy_params(policy, parse_assignments(param, "--param"))
+    policies = [build_policy(name, routed[name]) for name in dict.fromkeys(policy)]
+    for pol in policies:  # token budgets can be checked before the model loads; ratios only per prompt
+        for setting in settings:
+            if pol.phases and isinstance(setting.budget, int):
+                pol.check_budget(setting.budget)
+    task_params = parse_assignments(task_param, "--task-param")
+    if depth:
+        task_params["depths"] = depth
+    task_obj = build_task(task, task_params)
+    if any(c < 1 for c in context):
+        raise KvbenchError(f"context lengths must be positive, got {context}")
+
+    from kvbench.models import load_model
+
+    lm = load_model(model, dtype=dtype, device=device, device_map=device_map, seed=seed)
+    work = []
+    for length in context:
+        for sample in task_obj.samples(lm.tokenizer, length, samples, seed):
+            for pol in policies:
+                # a budget means nothing to `full`: run it once per sample, not once per budget
+                for setting in settings[:1] if not pol.phases else settings:
+                    work.append((length, sample, pol, setting))
+
+    records = []
+    with progress_bar(disable=False) as progress:
+        bar = progress.add_task("samples", total=len(work))
+        for length, sample, pol, setting in work:
+            progress.update(bar, description=f"{pol.name} L={length}")
+            record = evaluate(lm, task_obj, pol, sample, setting, length, seed)
+            records.append(record)
+            if as_json:
+                sys.stdout.write(json.dumps(record) + "\n")
+                sys.stdout.flush()
+            progress.advance(bar)
+    if not as_json:
+        from kvbench.tables import summary_table
+
+        stdout.print(summary_table(records, lm.describe()))
+

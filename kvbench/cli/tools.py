@@ -1,0 +1,127 @@
+"""Commands that need no run folder: `capacity`, `estimate`, `policies`, `tasks`."""
+
+from __future__ import annotations
+
+import typer
+
+from kvbench.cli.app import PLUGINS, app, parse_assignments, parse_budget, stderr, stdout, user_errors
+from kvbench.errors import KvbenchError
+from kvbench.estimate import human_bytes
+from kvbench.registry import first_line
+from kvbench.tables import listing
+
+
+@app.command(name="capacity")
+@user_errors
+def capacity_command(
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help="As for `run`."),
+    policy: str = typer.Option("full", "--policy", "-p", help="Policy name."),
+    param: list[str] = typer.Option([], "--param", help="Policy parameter k=v; repeatable."),
+    budget: str | None = typer.Option(None, "--budget", "-b", help="Tokens per layer and KV head, or a ratio."),
+    memory_limit: str | None = typer.Option(None, "--memory-limit", help="Memory the run may use, e.g. 24GiB "
+                                            "(on CPU: the KV cache's bytes)."),
+    pressure: float | None = typer.Option(None, "--pressure", min=0, max=0.999, help="Share of device memory "
+                                          "already taken by others, e.g. 0.9."),
+    context: int | None = typer.Option(None, "--context", "-c", min=1, help="Find the largest batch at this "
+                                       "context length."),
+    batch: int | None = typer.Option(None, "--batch", min=1, help="Find the longest context at this batch."),
+    decode_steps: int = typer.Option(16, "--decode-steps", min=1, help="Decode steps each probe must complete."),
+    most: int | None = typer.Option(None, "--max", min=1, help="Upper bound of the search."),
+    prefill: str = typer.Option("full", "--prefill", help="full or chunked (see `run`)."),
+    prefill_chunk: int = typer.Option(512, "--prefill-chunk", min=1, help="Chunk size for --prefill chunked."),
+    dtype: str = typer.Option("auto", "--dtype", help="As for `run`."),
+    device: str = typer.Option("auto", "--device", help="As for `run`."),
+) -> None:
+    """Largest batch (--context) or longest context (--batch) that fits a memory limit, and its decode speed."""
+    from kvbench.capacity import capacity
+    from kvbench.estimate import parse_bytes
+    from kvbench.models import load_model
+    from kvbench.policies import build_policy
+    from kvbench.session import RunSettings
+
+    if (context is None) == (batch is None):
+        raise KvbenchError("give either --context (find the largest batch) or --batch (find the longest context)")
+    if memory_limit is None and pressure is None:
+        raise KvbenchError("give --memory-limit or --pressure")
+    pol = build_policy(policy, parse_assignments(param, "--param"))
+    settings = RunSettings(budget=None if budget is None else parse_budget(budget), prefill=prefill,
+                           prefill_chunk=prefill_chunk)
+    lm = load_model(model, dtype=dtype, device=device)
+    search = "batch" if context is not None else "context"
+    with stderr.status(f"searching the largest {search} ..."):
+        found = capacity(lm, pol, settings, search, context=context or 0, batch=batch or 1,
+                         decode_steps=decode_steps, limit_bytes=None if memory_limit is None else
+                         parse_bytes(memory_limit), pressure=pressure, bound=most)
+    probes = ", ".join(f"{n} {'ok' if fit else 'OOM'}" for n, fit in found.probes)
+    where = f"at {context} tokens" if search == "batch" else f"at batch {batch}"
+    limit = memory_limit or f"{pressure:.0%} of the device taken"
+    stdout.print(f"{model}, {pol.name} budget {budget or '-'}, limit {limit}: largest {search} {where}: "
+                 f"[bold]{found.size}[/] (probes: {probes})", highlight=False)
+    if found.size:
+        m = found.measurements
+        stdout.print(f"there: decode {m['decode_tok_s'] or 0:.1f} tok/s over the batch, KV peak "
+                     f"{human_bytes(m['kv_bytes_peak'])}, process peak {human_bytes(m['mem_peak_alloc'])}",
+                     highlight=False)
+
+
+@app.command(name="estimate")
+@user_errors
+def estimate_command(
+    model: str = typer.Argument(..., help="A built-in shape (llama-2-70b, llama-3.1-8b, mistral-7b, qwen2.5-7b, "
+                                           "smollm2-135m, ...), random:<shape>, a local folder or a hub id."),
+    context: list[int] = typer.Option([4096], "--context", "-c", help="Context length in tokens; repeatable."),
+    batch: list[int] = typer.Option([1], "--batch", help="Sequences in the batch; repeatable."),
+    dtype: list[str] = typer.Option(["bfloat16"], "--dtype", help="KV and weight dtype; repeatable."),
+    budget: list[str] = typer.Option([], "--budget", "-b", help="Tokens per layer and KV head or a ratio; "
+                                                                  "repeatable (the full cache is always shown)."),
+    device_memory: str | None = typer.Option(None, "--device-memory", help="e.g. 80GiB: warn where cache plus "
+                                                                             "weights do not fit."),
+) -> None:
+    """KV-cache memory of a model at given lengths, batches, dtypes and budgets, without loading it."""
+    from kvbench.estimate import estimate, model_shape, parse_bytes
+    from kvbench.tables import estimate_table
+
+    shape = model_shape(model)
+    limit = None if device_memory is None else parse_bytes(device_memory)
+    rows = estimate(shape, context, batch, dtype, [None, *(parse_budget(b) for b in budget)], limit)
+    stdout.print(estimate_table(model, shape, rows))
+    over = [r for r in rows if r["fits"] is False]
+    if over:
+        stderr.print(f"warning: {len(over)} of {len(rows)} settings need more than {device_memory} "
+                     "(weights + KV cache, before activations)")
+
+
+@app.command()
+@user_errors
+def policies(plugins: str | None = PLUGINS) -> None:
+    """List the policies, their family, phases and parameters.
+
+    Every eviction policy also takes `storage:` (a compression policy, e.g. `{quant: {bits: 4}}`) to keep what it
+    keeps compressed: its records then say family `hybrid`."""
+    from kvbench.policies import POLICIES
+    from kvbench.registry import load_plugins
+
+    if plugins:
+        load_plugins(plugins)
+    rows = []
+    for name in POLICIES.names():
+        cls = POLICIES.get(name)
+        params = ", ".join(f"{k}={v}" for k, v in cls.params().items() if k != "storage") or "-"
+        rows.append((name, cls.family, "+".join(cls.phases) or "-", "yes" if cls.needs_attention else "no", params,
+                     first_line(cls)))
+    columns = ("name", "family", "phases", "needs attention", "parameters (defaults)", "what it does")
+    stdout.print(listing("policies", columns, rows))
+
+
+@app.command()
+@user_errors
+def tasks(plugins: str | None = PLUGINS) -> None:
+    """List the tasks and their parameters."""
+    from kvbench.registry import load_plugins
+    from kvbench.tasks import TASKS
+
+    if plugins:
+        load_plugins(plugins)
+    rows = [(name, "\n".join(f"{k}={v!r}" for k, v in TASKS.get(name).params().items()), first_line(TASKS.get(name)))
+            for name in TASKS.names()]
+    stdout.print(listing("tasks", ("name", "parameters (defaults)", "what it does"), rows))
