@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from eviction_step import median_ms, parse_args  # this folder's sibling script
 
-from kvbench.cache import KVCache
+from kvbench.cache import KVCache, Phase
 from kvbench.policies import build_policy
 
 KV_HEADS, HEADS, HEAD_DIM = 8, 32, 128
@@ -32,9 +32,9 @@ def main() -> None:
     query = torch.randn(1, HEADS, 1, HEAD_DIM, dtype=dtype, device=device)
     layers = {}
     for label, (name, params) in STORAGES.items():
-        cache = KVCache(1, (1, KV_HEADS, HEAD_DIM), build_policy(name, params), None, growth=3 * args.repeats + 8)
+        cache = KVCache(1, (1, KV_HEADS, HEAD_DIM), build_policy(name, params), None, growth=3 * args.repeats + 8,
+                        phase=Phase.DECODE)
         cache.layers[0].update(prompt, prompt)
-        cache.phase = "decode"
         layers[label] = cache
     steps: dict[str, list[float]] = {label: [] for label in layers}
     for _ in range(args.repeats):  # interleaved, so a noisy moment hits every storage alike

@@ -282,6 +282,7 @@ class KVCache(Cache):
         observers: list[Policy] | None = None,
         limit_bytes: int | None = None,
         left_padding: torch.Tensor | None = None,
+        phase: Phase = Phase.PREFILL,
     ) -> None:
         self.policy = policy
         self.limit_bytes = limit_bytes  # KV bytes allowed (a memory-pressure cell on CPU): beyond, out of memory
@@ -302,7 +303,7 @@ class KVCache(Cache):
         self.observers = list({leaf.state_key: leaf for leaf in leaves}.values())
         self.observing = bool(self.observers)
         self.observe_seconds: dict[str, float] = {}
-        self.phase = Phase.PREFILL  # set by the session (kvbench/session.py)
+        self.phase = phase  # from here on the session's to set (kvbench/session.py)
         self.evictions = 0
         self.peak_bytes = 0
         layout = policy.layout()  # compressed storage, or None: plain slots in the model dtype

@@ -119,3 +119,22 @@ def test_decode_needs_a_prediction_and_measurements_a_with_block(tiny_llama):
         session.decode(2, eos=set())
     with pytest.raises(RuntimeError, match="with session"):
         session.measurements()
+
+
+def test_the_readme_task_runs_on_session_calls(tiny_llama):
+    """README's "Adding a task" example, executed as written."""
+    import re
+    from pathlib import Path
+
+    from kvbench.tasks import TASKS, Sample
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    code = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "class AskTwice" in block)
+    if "ask_twice" not in TASKS.names():
+        exec(compile(code, "README.md", "exec"), {})
+    task = TASKS.build("ask_twice")
+    sample = Sample("s0", context=" ".join(["word"] * 60), question="", answers=["x"],
+                    meta={"questions": ["one?", "two?"]})
+    generation = task.run(tiny_llama, build_policy("window"), sample, RunSettings(budget=32))
+    assert generation.prediction.count("|") == 1 and generation.measurements["kept_max"] <= 33
+    assert task.score(generation.prediction, sample)["score"] in (0.0, 1.0)
