@@ -159,6 +159,11 @@ class SweepConfig(Strict):
                     built = registry.build(spec.name, spec.params)
                 except KvbenchError as exc:
                     raise _Located((field, index, "name"), str(exc)) from None
+                if field == "tasks":
+                    try:
+                        built.check_lengths(self.context_lengths)
+                    except KvbenchError as exc:
+                        raise _Located(("context_lengths",), str(exc)) from None
                 if field == "policies":
                     try:
                         built.check_settings(chunked=self.prefill.mode == "chunked")

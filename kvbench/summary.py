@@ -82,7 +82,33 @@ def summarize(run: str | Path, write: bool = True) -> pd.DataFrame:
         with contextlib.suppress(ImportError):  # parquet when pyarrow is installed
             frame.drop(columns=["_scores"]).to_parquet(path / "summary.parquet", index=False)
         (path / "summary.md").write_text(markdown(frame, manifest))
+        for cell_id, results in lm_eval_results(records).items():  # lm-eval's own results format, per cell
+            (path / "lm_eval").mkdir(exist_ok=True)
+            (path / "lm_eval" / f"{cell_id}.json").write_text(json.dumps(results, indent=2, default=str))
     return frame.drop(columns=["_scores"])
+
+
+def lm_eval_results(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per cell of `lm_eval` records, lm-eval's results JSON: each task's metrics (mean over its docs, as lm-eval
+    aggregates acc and exact_match), the model arguments (the cell's policy and budget) and versions."""
+    out: dict[str, dict[str, Any]] = {}
+    for cell_id, cell_records in _by_cell([r for r in records if "lm_eval" in r]).items():
+        metrics: dict[str, dict[str, list[float]]] = {}
+        for record in cell_records:
+            for metric, value in record["lm_eval"]["metrics"].items():
+                if isinstance(value, (int, float)):
+                    metrics.setdefault(record["lm_eval"]["task"], {}).setdefault(metric, []).append(value)
+        first = cell_records[0]
+        out[cell_id] = {
+            "results": {task: {"alias": task, **{f"{m},none": float(np.mean(v)) for m, v in values.items()}}
+                        for task, values in metrics.items()},
+            "n-samples": {task: {"effective": len(next(iter(values.values())))} for task, values in metrics.items()},
+            "config": {"model": "kvbench", "model_args": {"pretrained": first["model"], "policy": first["policy"],
+                                                          "budget": first["budget"]},
+                       "num_fewshot": first["task"].get("num_fewshot")},
+            "versions": first.get("versions", {}),
+        }
+    return out
 
 
 def _by_cell(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

@@ -56,6 +56,9 @@ class Task:
         """(prompt tokens, generated tokens) one sample costs: what a sweep's time estimate counts."""
         return context_length, max_new_tokens or getattr(self, "max_new_tokens", None) or 16
 
+    def check_lengths(self, context_lengths: list[int]) -> None:
+        """Raise KvbenchError when this task cannot run at these context lengths (a sweep checks its grid)."""
+
     def score(self, prediction: str, sample: Sample) -> dict[str, float]:
         """Scores in [0, 1]; the key `score` is the headline number."""
         raise NotImplementedError

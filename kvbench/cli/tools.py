@@ -125,3 +125,21 @@ def tasks(plugins: str | None = PLUGINS) -> None:
     rows = [(name, "\n".join(f"{k}={v!r}" for k, v in TASKS.get(name).params().items()), first_line(TASKS.get(name)))
             for name in TASKS.names()]
     stdout.print(listing("tasks", ("name", "parameters (defaults)", "what it does"), rows))
+
+
+@app.command(name="lm-eval", add_help_option=False,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@user_errors
+def lm_eval_command(ctx: typer.Context) -> None:
+    """lm-evaluation-harness's command line with the `kvbench` model registered, e.g. `kvbench lm-eval --model
+    kvbench --model_args pretrained=smollm2-135m,policy=snapkv,budget=0.25 --tasks TASK`."""
+    import sys
+
+    try:
+        from lm_eval.__main__ import cli_evaluate
+
+        import kvbench.lmeval  # noqa: F401  (registers the model)
+    except ImportError:
+        raise KvbenchError("lm-evaluation-harness is not installed: pip install 'kvbench[lmeval]'") from None
+    sys.argv = ["lm-eval", *ctx.args]
+    cli_evaluate()
