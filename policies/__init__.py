@@ -3,10 +3,13 @@
 from kvbench.policies import (  # noqa: F401
     ada_kv,
     adaptive,
+    chunkkv,
     compose,
     full,
     h2o,
+    keydiff,
     knorm,
+    lagkv,
     lowrank,
     merge,
     mixed_precision,

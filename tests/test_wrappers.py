@@ -34,7 +34,7 @@ WRAPPERS = sorted(name for name in POLICIES.names() if issubclass(POLICIES.get(n
 
 
 def test_the_registered_wrappers_are_the_known_ones():
-    assert WRAPPERS == ["ada_kv", "adaptive", "compose", "hybrid"]
+    assert WRAPPERS == ["ada_kv", "adaptive", "chunkkv", "compose", "hybrid"]
 
 
 class Spy(Policy):

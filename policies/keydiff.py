@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvbench.policies.base import Policy, register
+
+
+@register
+@dataclass
+class KeyDiff(Policy):
+    """KeyDiff (Park et al. 2025): keep the keys least similar to their head's mean key; needs no attention.
+
+    A key's score is minus its cosine similarity to the mean of the head's unit-length live keys (as kvpress's
+    KeyDiffPress computes it, on the cached RoPE-rotated keys). The paper evicts block by block as the prompt
+    arrives: that is `prefill: chunked`. Slots a head does not hold (a padded batch) are left out of the mean.
+    """
+
+    name = "keydiff"
+    phases = ("prefill",)
+    decode: bool = False  # also evict while decoding (keeps the budget for the whole generation)
+
+    @property
+    def evicts_during_decode(self) -> bool:
+        return self.decode
+
+    def score(self, layer, budget: int) -> torch.Tensor:
+        keys = layer.live_keys().float()
+        unit = F.normalize(keys, dim=-1)
+        if layer.padding() is not None:
+            unit = unit.masked_fill(layer.padding()[..., None], 0.0)
+        anchor = unit.mean(dim=2, keepdim=True)  # its scale does not change a cosine
+        return -F.cosine_similarity(keys, anchor, dim=-1)
