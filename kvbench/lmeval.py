@@ -5,7 +5,8 @@ engine session (kvbench/session.py), so what lm-eval scores is the compressed ca
                          as tokens arrive) until a stop sequence or `max_gen_toks`;
   loglikelihood          prefill the context, compress, then teacher-force the continuation through the
                          compressed cache (`Session.score`, `score_chunk` tokens at a time): lm-eval's usual single
-                         forward over context + continuation would never read a compressed cache;
+                         forward over context + continuation would never read a compressed cache; the choices of
+                         one doc share its compressed context, each scored on a fork;
   loglikelihood_rolling  stream the text through the cache `stream_chunk` tokens at a time, compressing after each,
                          as the perplexity task does (the first token is predicted from lm-eval's prefix token).
 
@@ -75,11 +76,13 @@ class KvbenchLM(HFLM):
         return out
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None) -> list[tuple[float, bool]]:
-        out = []
+        out, parent, compressed = [], None, None
         for _, context, continuation in requests:
-            session = self._session(len(context), arrival=self.score_chunk, growth=max(256, len(continuation)))
-            with session:
-                session.prefill(context)
+            if context != compressed:  # a doc's choices share its context: compressed once, each scored on a fork
+                parent, compressed = self._session(len(context), arrival=self.score_chunk), context
+                with parent:
+                    parent.prefill(context)
+            with parent.fork() as session:
                 scored = session.score(continuation, chunk=self.score_chunk)
             logprob, greedy = float(scored.logprobs.sum()), bool(scored.greedy.all())
             out.append((logprob, greedy))

@@ -126,6 +126,7 @@ class Session:
         self.pending: list[int] = []  # a generated token not fed yet: it goes in front of what comes next
         self.shared: SharedPrefill | None = None
         self.memory: PeakMemory | None = None
+        self.earlier: list[PeakMemory] = []  # peaks this state grew out of: a shared prefill's, a fork's parent's
         self.prefill_s = 0.0  # prefill, append and score time
         self.ttft_s: float | None = None
         self.step_s: list[float] = []  # each one-token step (decode, or scoring one token at a time)
@@ -156,7 +157,7 @@ class Session:
                       rows=self.rows),
             "budget_tokens": self.budget,
             "budget_scope": scope,
-            **cache_measurements(self.cache, self.memory, self.shared),
+            **cache_measurements(self.cache, self.memory, self.earlier, shared=self.shared is not None),
             **self.policy.report(),
         }
 
@@ -175,6 +176,7 @@ class Session:
                 raise ValueError("a shared prefill serves only a `full` prefill of the same prompt")
             self.cache.adopt(shared.cache)
             self.logits, self.shared = shared.logits, shared
+            self.earlier.append(shared.memory)
             self.cache.compress()
             own_statistics = shared.seconds_for(self.policy)
         else:
@@ -269,11 +271,12 @@ class Session:
 
     def fork(self) -> Session:
         """An independent copy: its own cache, policy state, pending token and counters; the model is shared.
-        Measure it in its own `with` block."""
+        Measure it in its own `with` block: its memory peak includes its parent's so far."""
         twin = copy.copy(self)
         with torch.inference_mode():
             twin.policy, twin.cache = copy.deepcopy((self.policy, self.cache))
         twin.pending, twin.step_s, twin.memory = list(self.pending), list(self.step_s), None
+        twin.earlier = [*self.earlier, *([self.memory] if self.memory else [])]
         return twin
 
     # --- internals -----------------------------------------------------------------------
@@ -349,28 +352,29 @@ def timings(prompt_tokens: int, prefill_s: float, ttft_s: float | None, step_s: 
     }
 
 
-def cache_measurements(cache: KVCache, memory: PeakMemory, shared: SharedPrefill | None = None) -> dict[str, Any]:
-    """The cache's byte accounting and the process's memory peak: the record's memory columns."""
+def cache_measurements(cache: KVCache, memory: PeakMemory, earlier: list[PeakMemory] = (),
+                       shared: bool = False) -> dict[str, Any]:
+    """The cache's byte accounting and the process's memory peak: the record's memory columns. `earlier` are
+    the peaks of what this cache started from (a shared prefill, a fork's parent): it peaked at least there."""
     stats = cache.stats()
     return {
         **asdict(stats),
         "cache_ratio": stats.cache_ratio,
-        # a cell that adopted a shared prefill peaked at least where that forward did
-        "mem_peak_alloc": _peak(memory, shared, "peak_bytes"),
-        "mem_peak_reserved": _peak(memory, shared, "peak_reserved"),
-        "mem_peak_device": _peak(memory, shared, "peak_device"),
+        "mem_peak_alloc": _peak([memory, *earlier], "peak_bytes"),
+        "mem_peak_reserved": _peak([memory, *earlier], "peak_reserved"),
+        "mem_peak_device": _peak([memory, *earlier], "peak_device"),
         "mem_baseline": memory.baseline_bytes,
         "mem_device_note": memory.device_note,
         **({} if cache.limit_bytes is None else {
             "kv_limit_bytes": cache.limit_bytes,
             # the limit bounds the cache; what the process grew by says whether the rest fit too
             "mem_growth_over_limit": memory.peak_bytes - memory.baseline_bytes > cache.limit_bytes}),
-        "prefill_shared": shared is not None,
+        "prefill_shared": shared,
     }
 
 
-def _peak(memory: PeakMemory, shared: SharedPrefill | None, name: str) -> int | None:
-    values = [v for v in (getattr(memory, name), getattr(shared.memory, name) if shared else None) if v is not None]
+def _peak(memories: list[PeakMemory], name: str) -> int | None:
+    values = [getattr(memory, name) for memory in memories if getattr(memory, name) is not None]
     return max(values) if values else None
 
 

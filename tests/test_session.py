@@ -67,7 +67,7 @@ def test_a_fork_shares_nothing_mutable(sharp_llama):
                       arrival=6, growth=16)
     with session:
         session.prefill(CONTEXT)
-    before = [(layer.keys.clone(), layer.live_positions().clone()) for layer in session.cache.layers]
+    before = [(layer.live_keys().clone(), layer.live_positions().clone()) for layer in session.cache.layers]
     answers = []
     for question in (question_a, question_b, question_a):
         with session.fork() as branch:
@@ -75,7 +75,7 @@ def test_a_fork_shares_nothing_mutable(sharp_llama):
             answers.append(branch.decode(8, eos=set())[0])
     assert answers[0] == answers[2] and answers[0] != answers[1]
     for layer, (keys, positions) in zip(session.cache.layers, before, strict=True):
-        assert torch.equal(layer.keys, keys) and torch.equal(layer.live_positions(), positions)
+        assert torch.equal(layer.live_keys(), keys) and torch.equal(layer.live_positions(), positions)
     # a fork answers as a session built from scratch does
     alone = Session(sharp_llama, build_policy("h2o"), RunSettings(budget=48), prompt_tokens=len(CONTEXT),
                     arrival=6, growth=16)
