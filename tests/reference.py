@@ -69,13 +69,15 @@ def top_set(scores: torch.Tensor, candidates: torch.Tensor, count: int) -> torch
     return chosen
 
 
-def simulate(lm, prompt: list[int], decode: list[int], rule) -> list[list[torch.Tensor]]:
+def simulate(lm, prompt: list[int], decode: list[int], rule, cache: DynamicCache | None = None,
+             ) -> list[list[torch.Tensor]]:
     """Run `prompt` then each `decode` token over a stock cache, attention masked to what is kept; after each
     step `rule(layer, weights, alive, seen, new)` returns the layer's kept mask `[kv_heads, seen]` given the
     step's attention weights `[H, q, seen]` and `alive` (kept so far plus the `new` tokens).
-    Returns the kept masks per step (after the prompt, after each decode token), per layer."""
+    Returns the kept masks per step (after the prompt, after each decode token), per layer. `cache`: the stock
+    cache to run in (a rule may read its keys)."""
     kept = {layer: torch.ones(lm.kv_heads, 0, dtype=torch.bool) for layer in range(lm.num_layers)}
-    cache, history, seen = DynamicCache(), [], 0
+    cache, history, seen = DynamicCache() if cache is None else cache, [], 0
     with reference_attention(lm) as attention:
         for ids in [prompt] + [[token] for token in decode]:
             attention.allowed = kept

@@ -16,7 +16,7 @@ from kvbench.errors import KvbenchError
 from kvbench.policies import build_policy
 from tests.conftest import random_ids
 from tests.helpers import run_cache
-from tests.reference import key_norms, reference_attention, snapkv_reference, stock_forward
+from tests.reference import key_norms, simulate, snapkv_reference, stock_forward
 
 PROMPT, DECODE, BUDGET = random_ids(96, seed=11), random_ids(10, seed=12), 40
 
@@ -31,20 +31,11 @@ def stock_kv(lm, prompt: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 @torch.no_grad()
 def simulate_keys(lm, prompt: list[int], decode: list[int], rule) -> list[list[torch.Tensor]]:
-    """Like `tests.reference.simulate`, but `rule(keys, alive, seen)` sees each layer's stock keys
-    `[kv_heads, seen, d]` (attention masked to what is kept) and the kept-so-far-plus-new mask `[kv_heads, seen]`."""
-    kept = {layer: torch.ones(lm.kv_heads, 0, dtype=torch.bool) for layer in range(lm.num_layers)}
-    cache, history, seen = DynamicCache(), [], 0
-    with reference_attention(lm) as attention:
-        for ids in [prompt] + [[token] for token in decode]:
-            attention.allowed = kept
-            stock_forward(lm, cache, ids, seen)
-            seen += len(ids)
-            for layer in range(lm.num_layers):
-                alive = torch.cat([kept[layer], torch.ones(lm.kv_heads, len(ids), dtype=torch.bool)], dim=1)
-                kept[layer] = rule(cache.layers[layer].keys[0], alive, seen)
-            history.append([mask.clone() for mask in kept.values()])
-    return history
+    """`tests.reference.simulate`, with `rule(keys, alive, seen)` seeing each layer's stock keys `[kv_heads, seen,
+    d]` (attention masked to what is kept) and the kept-so-far-plus-new mask `[kv_heads, seen]`."""
+    cache = DynamicCache()
+    return simulate(lm, prompt, decode, lambda layer, weights, alive, seen, new: rule(
+        cache.layers[layer].keys[0], alive, seen), cache=cache)
 
 
 def top(scores, candidates: list[int], count: int) -> list[int]:
