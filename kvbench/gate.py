@@ -1,13 +1,17 @@
 """Freeze a run's per-cell metrics as a baseline, and gate a later run against it.
 
 A score regression fails only when the paired bootstrap CI of (run - baseline) over the same
-samples lies wholly below -max_drop: noise does not fail the gate, a real drop does. Memory is
-deterministic and fails beyond a relative increase. Speed is compared only as ratios against the
-`full` cell of the same run (absolute times are never compared across machines).
+samples lies wholly below -max_drop: noise does not fail the gate, a real drop does. A cell of few 0/1
+samples can support only a large drop (two samples: both must fall), so each cell says the smallest drop it
+could ever detect, and the same test runs pooled over each policy's cells and over the whole run, which have
+the power single cells lack. Memory is deterministic and fails beyond a relative increase; with
+`strict_predictions` any changed prediction fails (deterministic CI on one machine type). Speed is compared
+only as ratios against the `full` cell of the same run (absolute times are never compared across machines).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -59,6 +63,7 @@ def cell_metrics(run: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, A
         base = full_speed.get(_pairing(cell), {})
         cells[cell_id] = {
             "label": _label(cell),
+            "policy": _policy_label(cell),
             "status": status,
             "n": len(scores),
             "higher_is_better": records[0].get("higher_is_better", True),
@@ -89,11 +94,25 @@ def _pairing(cell: dict[str, Any]) -> str:
     return json.dumps({k: cell[k] for k in keys}, sort_keys=True)
 
 
-def _label(cell: dict[str, Any]) -> str:
+def _policy_label(cell: dict[str, Any]) -> str:
     params = ",".join(f"{k}={v}" for k, v in cell["policy"]["params"].items())
+    return f"{cell['policy']['name']}{f'({params})' if params else ''}"
+
+
+def _label(cell: dict[str, Any]) -> str:
     budget = "" if cell["budget"] is None else f" b={cell['budget']}"
-    return (f"{cell['task']['name']} L={cell['context_length']} {cell['question']} "
-            f"{cell['policy']['name']}{f'({params})' if params else ''}{budget}")
+    return f"{cell['task']['name']} L={cell['context_length']} {cell['question']} {_policy_label(cell)}{budget}"
+
+
+@functools.lru_cache(maxsize=256)
+def detectable_drop(samples: int, max_drop: float) -> float | None:
+    """The smallest mean drop, in points, that `samples` paired 0/1 scores can show as a regression beyond
+    `max_drop`: k of them falling from 1 to 0, for the fewest k whose bootstrap CI lies wholly below -max_drop;
+    None when not even all of them falling would."""
+    for k in range(1, samples + 1):
+        if bootstrap_ci(np.array([-100.0] * k + [0.0] * (samples - k)))[1] < -max_drop:
+            return 100.0 * k / samples
+    return None
 
 
 def make_baseline(run: str | Path, out: str | Path) -> dict[str, Any]:
@@ -134,6 +153,7 @@ class Limits:
     max_mem_increase: float = 0.05  # fraction
     max_slowdown: float | None = None  # fraction; None: speed is not gated
     strict: bool = False
+    strict_predictions: bool = False  # any changed prediction fails
 
 
 @dataclass
@@ -146,6 +166,8 @@ class Check:
     score: tuple[float, float] | None = None  # baseline, run
     delta: tuple[float, float, float] | None = None  # mean, CI low, CI high (points)
     memory: tuple[float, float] | None = None
+    detectable: float | None = None  # the smallest drop (points) this check could detect; None: none at all
+    underpowered: bool = False  # cannot detect a drop of max_drop
 
     @property
     def failed(self) -> bool:
@@ -177,6 +199,40 @@ def gate(run: str | Path, baseline: dict[str, Any], limits: Limits) -> list[Chec
             checks.append(Check(cell_id, label, "pass", notes=[f"was {base['status']} in the baseline"]))
         else:
             checks.append(_compare(cell_id, label, base, now_, limits))
+    return checks + _pooled(baseline["cells"], current, limits)
+
+
+def _paired(base: dict[str, Any], run: dict[str, Any]) -> np.ndarray:
+    """Per sample both ran, the change in points (positive: better)."""
+    shared = sorted(set(base["samples"]) & set(run["samples"]))
+    return np.array([improvement(base["samples"][s], run["samples"][s], base.get("higher_is_better", True))
+                     for s in shared], dtype=float)
+
+
+def _pooled(baseline: dict[str, Any], current: dict[str, Any], limits: Limits) -> list[Check]:
+    """The drop test over every sample of each policy's cells, and over every cell but `full`'s."""
+    groups: dict[str, list[np.ndarray]] = {}
+    for cell_id, run in current.items():
+        base = baseline.get(cell_id)
+        if base is None or "samples" not in base or "samples" not in run:
+            continue
+        diff = _paired(base, run)
+        groups.setdefault(f"pooled {run['policy']}", []).append(diff)
+        if run["policy"] != "full":
+            groups.setdefault("pooled: every policy but full", []).append(diff)
+    policies = [label for label in groups if label not in ("pooled full", "pooled: every policy but full")]
+    if len(policies) < 2:  # one policy: the whole run is that policy's pool
+        groups.pop("pooled: every policy but full", None)
+    checks = []
+    for label, diffs in groups.items():
+        diff = np.concatenate(diffs)
+        low, high = bootstrap_ci(diff)
+        check = Check(label, f"{label} ({len(diff)} samples)", "pass", delta=(float(diff.mean()), low, high))
+        if high < -limits.max_drop:
+            check.verdict = "fail"
+            check.reasons.append(f"score dropped {-diff.mean():.1f} points over {len(diff)} samples (95% CI "
+                                 f"[{low:+.1f}, {high:+.1f}] is below -{limits.max_drop:g})")
+        checks.append(check)
     return checks
 
 
@@ -190,8 +246,7 @@ def _compare(cell_id: str, label: str, base: dict[str, Any], run: dict[str, Any]
         check.reasons.append(f"status {run['status']}")
     shared = sorted(set(base["samples"]) & set(run["samples"]))
     if shared:
-        diff = np.array([improvement(base["samples"][s], run["samples"][s], base.get("higher_is_better", True))
-                         for s in shared], dtype=float)
+        diff = _paired(base, run)
         low, high = bootstrap_ci(diff)
         check.delta = (float(diff.mean()), low, high)
         if high < -limits.max_drop:
@@ -199,7 +254,15 @@ def _compare(cell_id: str, label: str, base: dict[str, Any], run: dict[str, Any]
                                  f"[{low:+.1f}, {high:+.1f}] is below -{limits.max_drop:g})")
         changed = sum(base["predictions"].get(s) != run["predictions"].get(s) for s in shared)
         if changed:
-            check.notes.append(f"{changed}/{len(shared)} predictions changed")
+            (check.reasons if limits.strict_predictions else check.notes).append(
+                f"{changed}/{len(shared)} predictions changed")
+        if base.get("higher_is_better", True):  # 0/1-like fractions: a sample can fall at most 100 points
+            check.detectable = detectable_drop(len(shared), limits.max_drop)
+            room = base["score"] * 100  # what the baseline leaves to lose
+            check.underpowered = check.detectable is None or check.detectable > max(limits.max_drop, 0) or \
+                room < (check.detectable or 0)
+            check.notes.append("can detect no drop" if check.detectable is None or room < check.detectable else
+                               f"detects a drop of >= {check.detectable:.0f} points")
     if base.get("kv_bytes_peak") and run.get("kv_bytes_peak") is not None:
         check.memory = (base["kv_bytes_peak"], run["kv_bytes_peak"])
         growth = run["kv_bytes_peak"] / base["kv_bytes_peak"] - 1
@@ -231,7 +294,7 @@ def junit(checks: list[Check]) -> str:
 
 def markdown(checks: list[Check]) -> str:
     failed = sum(c.failed for c in checks)
-    lines = [f"## kvbench gate: {'FAILED' if failed else 'passed'} ({failed} of {len(checks)} cells failed)", "",
+    lines = [f"## kvbench gate: {'FAILED' if failed else 'passed'} ({failed} of {len(checks)} checks failed)", "",
              "| cell | verdict | score (baseline -> run) | change, points [95% CI] | kv peak | why |",
              "|---|---|---|---|---|---|"]
     for c in checks:

@@ -49,7 +49,7 @@ def run_gate(tmp_path, baseline_cells, run_cells, *options, run_hash="h1"):
 
 def test_identical_run_passes(tmp_path):
     result = run_gate(tmp_path, cells(), cells())
-    assert result.exit_code == 0 and "all 2 cells passed" in result.output
+    assert result.exit_code == 0 and "all 4 checks passed" in result.output  # 2 cells, each policy pooled
 
 
 def test_a_real_drop_fails(tmp_path):
@@ -57,8 +57,8 @@ def test_a_real_drop_fails(tmp_path):
                       "--markdown", str(tmp_path / "m.md"))
     assert result.exit_code == 1 and "score dropped 100.0 points" in (tmp_path / "m.md").read_text()
     suite = ElementTree.parse(tmp_path / "j.xml").getroot()
-    assert suite.get("failures") == "1" and suite.get("tests") == "2"
-    assert "FAILED (1 of 2 cells failed)" in (tmp_path / "m.md").read_text()
+    assert suite.get("failures") == "2" and suite.get("tests") == "4"  # the cell and its policy's pool
+    assert "FAILED (2 of 4 checks failed)" in (tmp_path / "m.md").read_text()
 
 
 def test_a_drop_within_noise_passes(tmp_path):
@@ -131,7 +131,7 @@ def test_gate_fails_a_perplexity_that_rises(tmp_path):
     worse = {**ppl, "win": {**ppl["win"], "scores": [13.0] * 8}}
     assert run_gate(tmp_path / "same", ppl, ppl).exit_code == 0
     result = run_gate(tmp_path / "worse", ppl, worse)
-    assert result.exit_code == 1 and "-8.3" in result.output and "1 of 2 cells failed" in result.output
+    assert result.exit_code == 1 and "-8.3" in result.output and "2 of 4 checks failed" in result.output
     better = {**ppl, "win": {**ppl["win"], "scores": [11.0] * 8}}
     assert run_gate(tmp_path / "better", ppl, better).exit_code == 0
 
@@ -169,3 +169,57 @@ def test_task_specs_that_share_a_name_are_told_apart():
     assert labels[task_key(exact)] == "perplexity (mode=exact)"
     assert labels[task_key(chunked)] == "perplexity (chunk=64, mode=chunked)"
     assert labels[task_key(niah)] == "niah"  # alone: just its name
+
+
+def test_each_cell_says_the_smallest_drop_it_could_detect(tmp_path):
+    from kvbench.gate import detectable_drop
+
+    assert detectable_drop(2, 1.0) == 100.0  # two 0/1 samples: only both falling is a supported drop
+    assert detectable_drop(8, 1.0) == 50.0 and detectable_drop(1, 100.0) is None
+    result = run_gate(tmp_path / "a", cells(), cells(), "--markdown", str(tmp_path / "m.md"))
+    assert result.exit_code == 0 and "detects a drop of >= 50 points" in (tmp_path / "m.md").read_text()
+    assert "cannot detect a drop of 1 points" in result.output  # a warning, not a failure
+    strict = run_gate(tmp_path / "b", cells(), cells(), "--require-power")
+    assert strict.exit_code == 2 and "cannot detect a drop of 1 points" in strict.output
+
+
+def ci_like_cells() -> dict[str, dict]:
+    """The committed CI baseline's cells (baselines/gate.json: 5 policies and full, 2 needles per cell, few of
+    them found) as constructed cells with the same per-sample scores."""
+    import json
+
+    baseline = json.loads((Path(__file__).parent.parent / "baselines" / "gate.json").read_text())
+    out = {}
+    for cell_id, cell in baseline["cells"].items():
+        if "samples" in cell:
+            policy = cell["label"].split()[3].split("(")[0]
+            out[cell_id] = {"policy": policy, "budget": cell["label"].split("b=")[-1] if "b=" in cell["label"] else
+                            None, "scores": [cell["samples"][s] for s in sorted(cell["samples"])],
+                            "kv_peak": cell["kv_bytes_peak"]}
+    return out
+
+
+def broken(cells_: dict[str, dict], how: str) -> dict[str, dict]:
+    out = {cell_id: dict(spec) for cell_id, spec in cells_.items()}
+    for cell_id, spec in out.items():
+        if how == "zeroed" and spec["policy"] != "full":
+            spec["scores"] = [0] * len(spec["scores"])
+        if how == "inverted" and spec["policy"] == "h2o":  # evicting its best entries: other answers, lost needles
+            spec["scores"], spec["prediction"] = [0] * len(spec["scores"]), "4"
+    if how == "kv+10%":
+        first = sorted(out)[0]
+        out[first]["kv_peak"] = out[first]["kv_peak"] * 1.1
+    return out
+
+
+@pytest.mark.parametrize("how", ["zeroed", "inverted", "kv+10%"])
+def test_the_ci_gate_fails_each_broken_run(tmp_path, how):
+    """With .ci/run's options, on the committed baseline's score pattern, each way of breaking the run fails."""
+    ci = ci_like_cells()
+    options = ("--max-drop", "1", "--max-mem-increase", "5%", "--strict-predictions")
+    assert run_gate(tmp_path / "same", ci, ci, *options).exit_code == 0
+    result = run_gate(tmp_path / how, ci, broken(ci, how), *options, "--markdown", str(tmp_path / "m.md"))
+    assert result.exit_code == 1, result.output
+    failed = [line for line in (tmp_path / "m.md").read_text().splitlines() if "| fail |" in line]
+    if how == "zeroed":  # no single cell of two needles can show it: the run's pool does
+        assert len(failed) == 1 and "pooled: every policy but full" in failed[0]

@@ -302,7 +302,7 @@ def test_ctrl_c_stops_after_the_sample_in_flight(tmp_path):
     assert len(records_by_key(run)) == 2 * 7 * 8
 
 
-@pytest.mark.parametrize("name", ["smoke", "llama7b", "ci", "gate", "bytes"])
+@pytest.mark.parametrize("name", ["smoke", "llama7b", "ci", "gate", "bytes", "lmeval"])
 def test_shipped_configs_validate(name):
     result = runner.invoke(app, ["validate", str(ROOT / "configs" / f"{name}.yaml")])
     assert result.exit_code == 0, result.output

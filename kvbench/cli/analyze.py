@@ -6,7 +6,8 @@ from pathlib import Path
 
 import typer
 
-from kvbench.cli.app import app, parse_fraction, run_folder, stdout, user_errors
+from kvbench.cli.app import app, parse_fraction, run_folder, stderr, stdout, user_errors
+from kvbench.errors import KvbenchError
 
 
 @app.command()
@@ -95,6 +96,10 @@ def gate_command(
     max_slowdown: str | None = typer.Option(None, "--max-slowdown", help="Allowed fall of decode/prefill tokens/s "
                                             "relative to full in the same run, e.g. 20%; unchecked if not given."),
     strict: bool = typer.Option(False, "--strict", help="Fail on cells missing from the run or the baseline."),
+    strict_predictions: bool = typer.Option(False, "--strict-predictions", help="Fail when any prediction changed "
+                                            "(deterministic CI on one machine type)."),
+    require_power: bool = typer.Option(False, "--require-power", help="Exit 2 when a cell's samples cannot detect "
+                                       "a drop of --max-drop (pooled checks aside)."),
     junit_path: str | None = typer.Option(None, "--junit", help="Write JUnit XML here."),
     markdown_path: str | None = typer.Option(None, "--markdown", help="Write a Markdown report here."),
 ) -> None:
@@ -104,7 +109,7 @@ def gate_command(
 
     limits = Limits(max_drop=max_drop, max_mem_increase=parse_fraction(max_mem_increase, "--max-mem-increase"),
                     max_slowdown=None if max_slowdown is None else parse_fraction(max_slowdown, "--max-slowdown"),
-                    strict=strict)
+                    strict=strict, strict_predictions=strict_predictions)
     checks = gate(run, load_baseline(baseline_path), limits)
     stdout.print(gate_table(checks, f"kvbench gate: {run} against {baseline_path}"))
     if junit_path:
@@ -112,8 +117,15 @@ def gate_command(
     if markdown_path:
         Path(markdown_path).write_text(markdown(checks))
     failed = [c for c in checks if c.failed]
-    stdout.print(f"{len(failed)} of {len(checks)} cells failed" if failed else f"all {len(checks)} cells passed",
+    stdout.print(f"{len(failed)} of {len(checks)} checks failed" if failed else f"all {len(checks)} checks passed",
                  highlight=False)
+    weak = [c for c in checks if c.underpowered]
+    if weak:
+        message = (f"{len(weak)} of {len(checks)} cells cannot detect a drop of {max_drop:g} points with their "
+                   "samples (see 'detects' in the notes; the pooled checks have more power)")
+        if require_power:
+            raise KvbenchError(message)
+        stderr.print(f"warning: {message}", highlight=False)
     if failed:
         raise typer.Exit(1)
 
