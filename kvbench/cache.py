@@ -283,13 +283,14 @@ class KVCache(Cache):
         limit_bytes: int | None = None,
         left_padding: torch.Tensor | None = None,
         phase: Phase = Phase.PREFILL,
+        prompt_tokens: int | None = None,
     ) -> None:
         self.policy = policy
         self.limit_bytes = limit_bytes  # KV bytes allowed (a memory-pressure cell on CPU): beyond, out of memory
         self.left_padding = left_padding  # [batch] padding tokens in front of each row (batch > 1)
         self.budget = budget
         # per-layer budgets: equal, unless the policy spreads the total unevenly (PyramidKV)
-        self.layer_budgets = None if budget is None else policy.layer_budgets(budget, num_layers)
+        self.layer_budgets = None if budget is None else policy.layer_budgets(budget, num_layers, prompt_tokens)
         self.evict_every = evict_every
         self.batch_heads_dim = batch_heads_dim
         self.headroom = headroom

@@ -120,7 +120,7 @@ class Session:
         padded = left_padding is not None and int(left_padding.max()) > 0
         self.cache = KVCache(lm.num_layers, (self.rows, lm.kv_heads, lm.head_dim), policy, self.budget,
                              evict_every=settings.evict_every, headroom=headroom, growth=growth,
-                             observers=observers, limit_bytes=settings.kv_limit_bytes,
+                             observers=observers, limit_bytes=settings.kv_limit_bytes, prompt_tokens=prompt_tokens,
                              left_padding=left_padding if padded else None)
         self.logits: torch.Tensor | None = None  # [rows, vocab]: the prediction of the next token
         self.pending: list[int] = []  # a generated token not fed yet: it goes in front of what comes next

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Wrapper, register
+from kvbench.policies.base import Wrapper, recent_mask, register
 
 
 @register
@@ -18,7 +18,7 @@ class AdaKV(Wrapper):
     phases = ("prefill",)
     needs_attention = True
     base: str | dict[str, Any] = "snapkv"  # whose scores (and layer budgets) are shared out: snapkv, pyramidkv
-    alpha: float = 0.2  # floor: every head keeps at least alpha x budget entries (its window counts)
+    alpha: float = 0.2  # floor: every head keeps int(alpha x (budget - window)) prefix entries besides its window
     decides = frozenset({"select"})  # its stage scores; the kept set is its own
 
     def __post_init__(self) -> None:
@@ -36,15 +36,19 @@ class AdaKV(Wrapper):
             raise KvbenchError("policy 'ada_kv' compresses the prompt once: use prefill mode 'full'")
 
     def select(self, layer, budget: int) -> torch.Tensor:
-        # the top `floor` of each head are guaranteed; the rest of heads x budget goes to the best scores of
-        # any head: flattened top-k over the layer
-        scores = self.stage(layer.owner).score(layer, budget)
+        # FFY0/AdaKV's AdaptiveSnapKVCluster.update_kv_gqa (adaptive_snapkv/monkeypatch/snapkv_utils.py): each
+        # head keeps its window; the prefix's heads x base best scores of the layer (base = budget - window)
+        # are counted per head, and a head keeps its round(count x (1 - alpha) + int(base x alpha)) best
+        stage = self.stage(layer.owner)
+        scores = stage.score(layer, budget)
         batch, heads, n = scores.shape
-        floor = min(round(self.alpha * budget), budget)
-        guaranteed = torch.zeros_like(scores, dtype=torch.bool)
-        if floor:
-            guaranteed.scatter_(-1, scores.topk(floor, dim=-1).indices, True)
-        ranked = scores.masked_fill(guaranteed, float("inf")).reshape(batch, heads * n)
-        keep = torch.zeros_like(ranked, dtype=torch.bool)
-        keep.scatter_(-1, ranked.topk(heads * budget, dim=-1).indices, True)
-        return keep.view(batch, heads, n)
+        window = recent_mask(layer, stage.window)
+        prefix = scores.masked_fill(window, float("-inf"))
+        base = budget - stage.window
+        best = prefix.reshape(batch, heads * n).topk(heads * base, dim=-1).indices // n
+        counts = torch.zeros(batch, heads, dtype=torch.long, device=scores.device)
+        counts.scatter_add_(-1, best, torch.ones_like(best))
+        kept = torch.round(counts * (1 - self.alpha) + int(base * self.alpha)).long()  # float32, as official
+        order = prefix.argsort(dim=-1, descending=True)
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=order.device).expand_as(order))
+        return window | (rank < kept[..., None])

@@ -94,8 +94,9 @@ class Policy:
         entries that stay. Dropping them (the default) needs nothing."""
 
     @hook("first")
-    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
-        """Entries per KV head for each layer; the total is `num_layers x budget`."""
+    def layer_budgets(self, budget: int, num_layers: int, prompt_tokens: int | None = None) -> list[int]:
+        """Entries per KV head for each layer (the same `budget` everywhere by default); `prompt_tokens`, when the
+        cache knows it, lets a schedule cap a layer at what the prompt holds (PyramidKV)."""
         return [budget] * num_layers
 
     @hook("active")

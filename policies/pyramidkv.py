@@ -19,17 +19,23 @@ class PyramidKV(SnapKV):
         super().__post_init__()
         positive("pyramidkv", beta=self.beta)
 
-    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
-        # the official schedule: prefix budgets fall linearly from 2A - A/beta to A/beta (A the average),
-        # plus the window everywhere; rounding remainders go to the lowest layers so the total is exact
-        average = budget - self.window
-        low = average / self.beta
-        high = 2 * average - low
-        step = (high - low) / (num_layers - 1) if num_layers > 1 else 0.0
-        prefix = [int(high - i * step) for i in range(num_layers)]
-        for i in range(average * num_layers - sum(prefix)):
-            prefix[i % num_layers] += 1
-        return [self.window + p for p in prefix]
+    def layer_budgets(self, budget: int, num_layers: int, prompt_tokens: int | None = None) -> list[int]:
+        # KVCache-Factory's PyramidKVCluster.update_kv (pyramidkv/pyramidkv_utils.py), in entries beyond the
+        # window, which every layer keeps whole: from `most` at the first layer down by a whole `step` per
+        # layer, `least` = base // beta and `most` = 2 base - least (base = budget - window); a prompt of at
+        # most `most` + window tokens caps `most` at prompt - window and raises `least` to 2 base - most.
+        # The floored step leaves the deepest layers above `least`, so the total may exceed layers x budget.
+        # A prompt under 2 base tokens keeps budget at every layer; None: a prompt too long for any cap.
+        base = budget - self.window
+        if num_layers == 1 or (prompt_tokens is not None and prompt_tokens < 2 * base):
+            return [budget] * num_layers  # one layer: no pyramid (the official step divides by zero)
+        least = int(base // self.beta)
+        most = 2 * base - least
+        if prompt_tokens is not None and most >= prompt_tokens - self.window:
+            most = prompt_tokens - self.window
+            least = 2 * base - most
+        step = (most - least) // (num_layers - 1)
+        return [self.window + most - i * step for i in range(num_layers)]
 
     def check_budget(self, budget: int) -> None:
         super().check_budget(budget)

@@ -201,7 +201,7 @@ def ci_like_cells() -> dict[str, dict]:
 
 def broken(cells_: dict[str, dict], how: str) -> dict[str, dict]:
     out = {cell_id: dict(spec) for cell_id, spec in cells_.items()}
-    for cell_id, spec in out.items():
+    for spec in out.values():
         if how == "zeroed" and spec["policy"] != "full":
             spec["scores"] = [0] * len(spec["scores"])
         if how == "inverted" and spec["policy"] == "h2o":  # evicting its best entries: other answers, lost needles
