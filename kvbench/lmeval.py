@@ -17,7 +17,10 @@ sequences are lm-eval's (`HFLM`); requests run one at a time, each in its own se
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
+import logging
 from typing import Any
 
 from lm_eval.api.registry import register_model
@@ -146,9 +149,17 @@ def evaluate_doc(lm: LoadedModel, policy: Policy, settings: RunSettings, manager
     and the measurements of each of its requests."""
     import lm_eval
 
-    model = KvbenchLM(pretrained=lm, policy=policy, settings=settings, score_chunk=score_chunk,
-                      stream_chunk=stream_chunk)
-    results = lm_eval.simple_evaluate(model=model, tasks=[task], samples={name: [doc]}, num_fewshot=num_fewshot,
-                                      bootstrap_iters=0, log_samples=True, apply_chat_template=apply_chat_template,
-                                      task_manager=manager, verbosity="ERROR")
+    # a sweep has its own progress display: lm-eval's per-call bars (stderr) and notices (its logger) stay quiet
+    logger = logging.getLogger("lm_eval")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            model = KvbenchLM(pretrained=lm, policy=policy, settings=settings, score_chunk=score_chunk,
+                              stream_chunk=stream_chunk)
+            results = lm_eval.simple_evaluate(model=model, tasks=[task], samples={name: [doc]},
+                                              num_fewshot=num_fewshot, bootstrap_iters=0, log_samples=True,
+                                              apply_chat_template=apply_chat_template, task_manager=manager)
+    finally:
+        logger.setLevel(level)
     return results["samples"][name][0], model.measurements
