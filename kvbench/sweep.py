@@ -212,7 +212,16 @@ def _run_group(lm: LoadedModel, folder: RunFolder, cells: list[Cell], done: set[
     started = {cell.id: time.perf_counter() for cell in cells}
     for sample in samples:
         todo = [c for c in cells if (c.id, sample.id) not in done and c.id not in failed]
-        shared = _shared(lm, todo, sample, first["question"]) if share and task.shares_prefill else None
+        shared = None
+        if share and task.shares_prefill:
+            try:
+                shared = _shared(lm, todo, sample, first["question"])
+            except Exception as exc:  # the prompt's forward failed (out of memory): each cell it served fails
+                for cell in [c for c in todo if _sharable(c)]:
+                    _fail(folder, progress, failed, cell, exc)
+            if any(c.id in failed for c in todo):
+                _release_cached_memory()  # after the failed forward's tensors went with its traceback
+                todo = [c for c in todo if c.id not in failed]
         for cell in todo:
             if interrupt.requested:
                 return False
@@ -228,10 +237,9 @@ def _run_group(lm: LoadedModel, folder: RunFolder, cells: list[Cell], done: set[
                     timing = cell.description.get("timing")
                     record = repeat_timed(run, **timing) if timing else run()
             except Exception as exc:  # one failing cell never stops the sweep
-                failed[cell.id] = _failure(cell, exc)
-                folder.add_cell(failed[cell.id])
-                progress.log.append(f"{cell.label}: {failed[cell.id]['status']}: {failed[cell.id]['message']}")
-                progress.cells_done += 1
+                _fail(folder, progress, failed, cell, exc)
+            if cell.id in failed:
+                _release_cached_memory()  # now that the failed cell's tensors went with its traceback
                 continue
             folder.add_record({"cell_id": cell.id, "cell": cell.description, **record})
             if trace:
@@ -262,10 +270,35 @@ def _shared(lm: LoadedModel, cells: list[Cell], sample: Sample, question: str) -
     return shared_prefill(lm, compressed_prompt(lm, sample, question), [cell.policy() for cell in users])
 
 
+def _fail(folder: RunFolder, progress: Progress, failed: dict[str, dict[str, Any]], cell: Cell,
+          exc: Exception) -> None:
+    failed[cell.id] = _failure(cell, exc)
+    folder.add_cell(failed[cell.id])
+    progress.log.append(f"{cell.label}: {failed[cell.id]['status']}: {failed[cell.id]['message']}")
+    progress.cells_done += 1
+
+
+def _release_cached_memory() -> None:
+    """Give the allocator's cached blocks back, so the next cell meets its memory limit with what it allocates."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def outcome(folder: RunFolder, cells: list[Cell]) -> tuple[dict[str, int], bool]:
+    """How many of `cells` ended in each status, and whether that is a failed sweep: a cell ended in `error`,
+    or none succeeded (an `oom` of a memory-pressure cell is a result: it says what does not fit)."""
+    statuses = folder.cells()
+    counts: dict[str, int] = {}
+    succeeded = False
+    for cell in cells:
+        status = statuses.get(cell.id, {}).get("status", "missing")
+        counts[status] = counts.get(status, 0) + 1
+        succeeded |= status == "ok" or (status == "oom" and "memory" in cell.description)
+    return counts, counts.get("error", 0) > 0 or not succeeded
+
+
 def _failure(cell: Cell, exc: Exception) -> dict[str, Any]:
     oom = isinstance(exc, torch.OutOfMemoryError)
-    if oom and torch.cuda.is_available():
-        torch.cuda.empty_cache()
     message = str(exc) if isinstance(exc, KvbenchError) else f"{type(exc).__name__}: {exc}"
     return {"cell_id": cell.id, "cell": cell.description, "status": "oom" if oom else "error",
             "message": message.splitlines()[0] if message else type(exc).__name__, "finished": now()}

@@ -155,7 +155,8 @@ def test_a_failing_cell_is_recorded_and_the_others_finish(tmp_path):
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     '''))
     config = write_config(tmp_path, {**TINY, "policies": ["full", "crashes", "oom", "window"], "budgets": [32]})
-    sweep(config, tmp_path / "run", "--plugins", str(plugins))
+    result = runner.invoke(app, ["sweep", str(config), "-o", str(tmp_path / "run"), "-q", "--plugins", str(plugins)])
+    assert result.exit_code == 1 and "sweep failed: 1 error, 2 ok, 1 oom" in result.output  # a CI job fails
     statuses = {s["cell"]["policy"]["name"]: s for s in RunFolder(tmp_path / "run").cells().values()}
     assert statuses["crashes"]["status"] == "error" and "impossible parameter" in statuses["crashes"]["message"]
     assert statuses["oom"]["status"] == "oom" and "out of memory" in statuses["oom"]["message"]
@@ -422,3 +423,43 @@ def test_compression_and_hybrid_cells_with_their_own_budgets(tmp_path):
     heatmap_labels = [axis.get_ylabel() for axis in drawn["needle_heatmaps_niah"].axes if axis.get_ylabel()]
     assert any(label.startswith("quant") for label in heatmap_labels)
     assert any("storage=quant(bits=4" in label for label in heatmap_labels)
+
+
+@pytest.mark.parametrize("failure", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB"),
+                                     RuntimeError("the shared forward broke")])
+def test_a_failing_shared_forward_records_its_cells_and_the_sweep_goes_on(tmp_path, monkeypatch, failure):
+    import kvbench.sweep
+
+    real, calls = kvbench.sweep.shared_prefill, []
+
+    def shared_prefill(lm, ids, observers):
+        calls.append(len(ids))
+        if len(calls) == 1:  # the first sample's prompt forward fails
+            raise failure
+        return real(lm, ids, observers)
+
+    monkeypatch.setattr(kvbench.sweep, "shared_prefill", shared_prefill)
+    config = {**TINY, "context_lengths": [260, 300], "samples": 1, "tasks": [{"name": "niah", "depths": [0.5]}],
+              "budgets": [32]}
+    result = runner.invoke(app, ["sweep", str(write_config(tmp_path, config)), "-o", str(tmp_path / "run"), "-q"])
+    statuses = [c["status"] for c in RunFolder(tmp_path / "run").cells().values()]
+    failed = "oom" if isinstance(failure, torch.OutOfMemoryError) else "error"
+    assert sorted(statuses) == sorted([failed] * 4 + ["ok"] * 4)  # the other context length ran
+    assert all(str(failure).split(".")[0] in c["message"] for c in RunFolder(tmp_path / "run").cells().values()
+               if c["status"] == failed)
+    assert result.exit_code == (1 if failed == "error" else 0), result.output
+    rerun = runner.invoke(app, ["sweep", str(write_config(tmp_path, config)), "-o", str(tmp_path / "run"), "-q",
+                                "--retry-failed"])
+    assert rerun.exit_code == 0 and all(c["status"] == "ok" for c in RunFolder(tmp_path / "run").cells().values())
+
+
+def test_a_sweep_where_no_cell_succeeded_exits_1(tmp_path, monkeypatch):
+    import kvbench.sweep
+
+    def evaluate(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(kvbench.sweep, "evaluate", evaluate)
+    config = {**TINY, "policies": ["full", "window"], "budgets": [32], "samples": 1}
+    result = runner.invoke(app, ["sweep", str(write_config(tmp_path, config)), "-o", str(tmp_path / "run"), "-q"])
+    assert result.exit_code == 1 and "sweep failed: 2 oom" in result.output

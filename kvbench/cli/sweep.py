@@ -38,7 +38,7 @@ def sweep(
     from kvbench.registry import load_plugins
     from kvbench.results import RunFolder
     from kvbench.summary import summarize
-    from kvbench.sweep import estimate_seconds, expand, finished_cells, shard
+    from kvbench.sweep import estimate_seconds, expand, finished_cells, outcome, shard
 
     if plugins:
         load_plugins(plugins)
@@ -71,6 +71,11 @@ def sweep(
     if not completed:
         stderr.print("interrupted: run the same command again to resume")
         raise typer.Exit(130)
+    counts, failed = outcome(folder, cells)
+    if failed:  # a CI job around the sweep must not pass
+        stderr.print("sweep failed: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+                     + " (a cell in error, or none succeeded; --retry-failed runs them again)", highlight=False)
+        raise typer.Exit(1)
 
 
 def _run(cfg, cells, lm, folder, shard_spec, force: bool, quiet: bool, share: bool, retry_failed: bool,
