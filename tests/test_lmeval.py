@@ -168,3 +168,39 @@ def test_the_lm_eval_command_line_knows_the_kvbench_model(tmp_path):
     assert result.exit_code == 0, result.output
     written = list((tmp_path / "out").rglob("results_*.json"))
     assert len(written) == 1 and "local_mc" in json.loads(written[0].read_text())["results"]
+
+
+def synthetic_task(folder) -> str:
+    """A local lm-eval task that generates its docs from `max_seq_lengths`, as RULER's do (offline)."""
+    (folder / "synthetic_utils.py").write_text(
+        "import datasets\n\n\n"
+        "def make_docs(**kwargs):\n"
+        "    rows = [{'input': 'word ' * (n // 2), 'target': 'x', 'max_length': n}\n"
+        "            for n in kwargs.get('max_seq_lengths', [4096]) for _ in range(2)]\n"
+        "    return {'test': datasets.Dataset.from_list(rows)}\n\n\n"
+        "def process_results(doc, results):\n"
+        "    return {str(doc['max_length']): float(doc['target'] in results[0])}\n")
+    (folder / "synthetic.yaml").write_text(
+        "task: synthetic\ndataset_path: ''\ncustom_dataset: !function synthetic_utils.make_docs\ntest_split: test\n"
+        "output_type: generate_until\ndoc_to_text: '{{input}}'\ndoc_to_target: '{{target}}'\n"
+        "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 2\n"
+        "process_results: !function synthetic_utils.process_results\nmetric_list:\n"
+        + "".join(f"  - metric: '{n}'\n    aggregation: mean\n    higher_is_better: true\n" for n in (64, 128))
+        + "metadata:\n  version: 1.0\n")
+    return str(folder)
+
+
+def test_the_context_length_is_the_length_knob_of_a_task_that_generates_its_data(tiny_llama, tmp_path):
+    from kvbench.runner import evaluate
+    from kvbench.session import RunSettings
+    from kvbench.tasks import build_task
+
+    task = build_task("lm_eval", {"tasks": ["synthetic"], "include_path": synthetic_task(tmp_path)})
+    task.check_lengths([64, 128])  # a knob: several lengths are several grids
+    prompts = {}
+    for length in (64, 128):
+        samples = task.samples(tiny_llama.tokenizer, length, 1, 0)
+        record = evaluate(tiny_llama, task, build_policy("full"), samples[0], RunSettings(), length, 0)
+        assert record["lm_eval"]["metric"] == str(length) and str(length) in record["lm_eval"]["metrics"]
+        prompts[length] = record["prompt_tokens"]
+    assert prompts[128] > prompts[64]  # each length's docs were made for it
