@@ -295,7 +295,9 @@ class KVCache(Cache):
         self.batch_heads_dim = batch_heads_dim
         self.headroom = headroom
         self.growth = growth
-        # policies whose attention statistics this cache gathers: its own, or every policy of a shared prefill
+        # policies whose attention statistics this cache gathers: its own, or every policy of a shared prefill,
+        # which times each one's (whatever their number) so a cell's prefill time counts its own statistics only
+        self.times_observers = observers is not None
         if observers is None:
             observers = [policy]
         # one observer per statistic: two cells of a shared prefill that read the same one (h2o alone and
@@ -337,10 +339,10 @@ class KVCache(Cache):
 
     def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
         """Called by the kvbench attention function after each layer's attention (see attention.py)."""
-        if len(self.observers) == 1:
-            self.observers[0].observe(self.layers[layer_idx], query, key, scaling, self.phase)
+        if not self.times_observers:
+            for policy in self.observers:
+                policy.observe(self.layers[layer_idx], query, key, scaling, self.phase)
             return
-        # a shared prefill times each policy's statistics, so each cell's prefill time counts its own only
         for policy in self.observers:
             synchronize(query.device)
             start = time.perf_counter()

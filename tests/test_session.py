@@ -138,3 +138,36 @@ def test_the_readme_task_runs_on_session_calls(tiny_llama):
     generation = task.run(tiny_llama, build_policy("window"), sample, RunSettings(budget=32))
     assert generation.prediction.count("|") == 1 and generation.measurements["kept_max"] <= 33
     assert task.score(generation.prediction, sample)["score"] in (0.0, 1.0)
+
+
+def test_a_shared_prefill_bills_each_policys_statistics_to_it_alone(tiny_llama, monkeypatch):
+    """A fake clock in which H2O's statistics take 10 s a layer: in a group where H2O is the only policy that
+    observes, `full` and `window` must not be charged for them."""
+    import time
+
+    from kvbench.policies.h2o import H2O
+    from kvbench.session import generate, shared_prefill
+
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1e-6
+        return now[0]
+
+    observe = H2O.observe
+
+    def slow_observe(self, *args):
+        now[0] += 10.0
+        return observe(self, *args)
+
+    monkeypatch.setattr(time, "perf_counter", clock)
+    monkeypatch.setattr(H2O, "observe", slow_observe)
+    policies = {name: build_policy(name) for name in ("full", "window", "h2o")}
+    prompt = random_ids(60, seed=15)
+    shared = shared_prefill(tiny_llama, prompt, list(policies.values()))
+    ttft = {name: generate(tiny_llama, policy, prompt, [], RunSettings(budget=32), max_new_tokens=2,
+                           eos_token_ids=set(), shared=shared).measurements["ttft_s"]
+            for name, policy in policies.items()}
+    layers = tiny_llama.num_layers
+    assert ttft["full"] < 1 and ttft["window"] < 1
+    assert 10 * layers <= ttft["h2o"] < 10 * layers + 1
