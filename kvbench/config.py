@@ -100,6 +100,8 @@ class SweepConfig(Strict):
     evict_every: int = Field(1, gt=0)
     max_new_tokens: int | None = Field(None, gt=0)
     timing: TimingConfig | None = None
+    # per-sample diagnostics: `fidelity` runs a full cache in lockstep and records how far the policy's is from it
+    diagnostics: list[Literal["fidelity"]] = []
     # memory-pressure cells: the share of device memory already taken, or the memory the run may use
     pressure: list[float] | None = None
     memory_limit: str | None = None
@@ -192,6 +194,8 @@ class SweepConfig(Strict):
         for key in ("timing", "pressure", "memory_limit"):
             if relevant[key] is None:
                 del relevant[key]
+        if not relevant["diagnostics"]:
+            del relevant["diagnostics"]
         return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

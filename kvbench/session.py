@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -44,6 +45,7 @@ class RunSettings:
     evict_every: int = 1
     max_new_tokens: int | None = None  # overrides the task's
     kv_limit_bytes: int | None = None  # KV-cache bytes allowed before an out-of-memory error (CPU pressure)
+    fidelity: bool = False  # compare every generated step with a full cache run in lockstep (kvbench/fidelity.py)
 
     def __post_init__(self) -> None:
         if self.prefill not in ("full", "chunked"):
@@ -212,10 +214,12 @@ class Session:
         return self.logits
 
     @torch.inference_mode()
-    def decode(self, max_new_tokens: int, eos: set[int], stop: tuple[str, ...] = ()) -> list[list[int]]:
+    def decode(self, max_new_tokens: int, eos: set[int], stop: tuple[str, ...] = (),
+               follow: Callable[[int, torch.Tensor], None] | None = None) -> list[list[int]]:
         """Greedy tokens from the pending prediction on, each fed back, until every row produced an
         end-of-sequence token (or, single row, a `stop` string) or `max_new_tokens`. Each row's tokens run up
-        to and including its first end-of-sequence token. The last token is not fed: it is pending."""
+        to and including its first end-of-sequence token. The last token is not fed: it is pending.
+        `follow(token, logits)` sees each chosen token (single row) with the logits that chose it, untimed."""
         if self.logits is None:
             raise RuntimeError("decode() needs a prediction: prefill, append or step first")
         eos_ids = torch.tensor(sorted(eos) or [-1])
@@ -226,11 +230,15 @@ class Session:
         if self.ttft_s is None:
             self.ttft_s = self.prefill_s + first_s
         done = torch.isin(token, eos_ids)
+        if follow:
+            follow(int(token[0]), self.logits)
         while len(rows[0]) < max_new_tokens and not (bool(done.all()) or self._stopped(rows, stop)):
             token = self.step(token).argmax(-1).cpu()
             for row, t in zip(rows, token.tolist(), strict=True):
                 row.append(t)
             done |= torch.isin(token, eos_ids)
+            if follow:
+                follow(int(token[0]), self.logits)
         rows = [_through_first(row, eos) for row in rows]
         self.generated_tokens += sum(map(len, rows))
         self.pending = rows[0][-1:] if self.rows == 1 and rows[0][-1] not in eos else []
@@ -397,17 +405,34 @@ def generate(lm: LoadedModel, policy: Policy, context_ids: list[int], question_i
     """Prefill (or adopt `shared`, a prefill of the same prompt in `full` mode), compress, decode greedily."""
     agnostic = settings.question == "agnostic"
     eos = lm.eos_token_ids if eos_token_ids is None else eos_token_ids
-    session = Session(lm, policy, settings, prompt_tokens=len(context_ids) + len(question_ids),
-                      arrival=len(question_ids) if agnostic else 1,
-                      growth=max_new_tokens + (len(question_ids) if agnostic else 0))
-    with session:
+
+    def session_of(policy: Policy, observers: list[Policy] | None = None) -> Session:
+        return Session(lm, policy, settings, prompt_tokens=len(context_ids) + len(question_ids),
+                       arrival=len(question_ids) if agnostic else 1, observers=observers,
+                       growth=max_new_tokens + (len(question_ids) if agnostic else 0))
+
+    def prefill(session: Session) -> None:
         session.prefill(context_ids if agnostic else context_ids + question_ids, shared=shared)
         if agnostic and question_ids:
             session.append(question_ids)
-        tokens = session.decode(max_new_tokens, eos, stop)[0]
+
+    follower, observers = None, None
+    if settings.fidelity:  # the full-cache reference, fed the same prompt (free with a shared prefill)
+        from kvbench.fidelity import AttentionRecorder, Follower
+        from kvbench.policies.full import Full
+
+        full_attention, kept = AttentionRecorder("full"), AttentionRecorder("policy")
+        reference = session_of(Full(), [full_attention])
+        prefill(reference)
+        follower, observers = Follower(reference, full_attention, kept), [policy, kept]
+    session = session_of(policy, observers)
+    with session:
+        prefill(session)
+        tokens = session.decode(max_new_tokens, eos, stop, follow=follower)[0]
     tokens = tokens[:-1] if tokens[-1] in eos else tokens
     text = lm.tokenizer.decode(tokens, skip_special_tokens=True)
-    return Generation(_cut(text, stop), tokens, session.logits, session.measurements())
+    measured = {**session.measurements(), **(follower.measurements() if follower else {})}
+    return Generation(_cut(text, stop), tokens, session.logits, measured)
 
 
 def generate_batch(lm: LoadedModel, policy: Policy, prompts: list[list[int]], settings: RunSettings,

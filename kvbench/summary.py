@@ -18,6 +18,8 @@ from kvbench.results import RunFolder
 BOOTSTRAP_RESAMPLES = 2000
 MEASURES = ["cache_ratio", "kv_bytes_live", "kv_bytes_peak", "ttft_s", "tpot_s", "decode_tok_s", "prefill_tok_s",
             "mem_peak_alloc"]
+# fidelity to the full cache (kvbench/fidelity.py), where a sweep asked for it: means with bootstrap CIs
+FIDELITY = ["kl_mean", "kl_max", "top1_agreement", "attn_recall", "first_divergence"]
 # cells that share these see the same samples, so their scores pair up by sample id
 PAIRING = ["model", "task", "context_length", "question", "prefill", "samples", "seed"]
 
@@ -152,6 +154,11 @@ def _row(cell_id: str, records: list[dict[str, Any]], status: dict[str, Any] | N
     for measure in MEASURES:
         present = [r[measure] for r in records if r.get(measure) is not None]
         row[measure] = float(np.mean(present)) if present else float("nan")
+    for measure in FIDELITY:
+        present = np.array([r[measure] for r in records if r.get(measure) is not None], dtype=float)
+        if any(measure in r for r in records):
+            row[measure] = float(present.mean()) if len(present) else float("nan")
+            row[f"{measure}_ci_low"], row[f"{measure}_ci_high"] = bootstrap_ci(present)
     tokens = [r["budget_tokens"] for r in records if r.get("budget_tokens") is not None]
     row["budget_tokens"] = float(np.mean(tokens)) if tokens else float("nan")
     if status and status.get("message"):

@@ -56,7 +56,7 @@ class Cell:
         d = self.description
         return RunSettings(budget=d["budget"], prefill=d["prefill"]["mode"], prefill_chunk=d["prefill"]["chunk"] or 1,
                            question=d["question"], evict_every=d["evict_every"], max_new_tokens=d["max_new_tokens"],
-                           kv_limit_bytes=kv_limit_bytes)
+                           kv_limit_bytes=kv_limit_bytes, fidelity="fidelity" in d.get("diagnostics", ()))
 
     @property
     def label(self) -> str:
@@ -90,6 +90,9 @@ def expand(config: SweepConfig) -> list[Cell]:
                             "evict_every": config.evict_every,
                             "max_new_tokens": config.max_new_tokens,
                         }))
+    if config.diagnostics:  # only when set, as timing
+        for cell in cells:
+            cell.description["diagnostics"] = sorted(config.diagnostics)
     if config.timing:  # only when set: adding the option changed no existing cell's id
         for cell in cells:
             cell.description["timing"] = config.timing.model_dump()

@@ -47,6 +47,8 @@ def run(
     device_map: str | None = typer.Option(None, "--device-map", help="'auto' to spread a large model over GPUs."),
     seed: int = typer.Option(0, "--seed", help="Seed for sample generation and random weights."),
     plugins: str | None = PLUGINS,
+    fidelity: bool = typer.Option(False, "--fidelity", help="Run a full cache in lockstep and record KL, top-1 "
+                                  "agreement, first divergence and attention recall (about one more decode per step)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON record per sample instead of a table."),
 ) -> None:
     """Run policies on a task and compare quality, speed and cache memory."""
@@ -60,7 +62,7 @@ def run(
         load_plugins(plugins)
     settings = [
         RunSettings(budget=parse_budget(b), prefill=prefill, prefill_chunk=prefill_chunk, question=question,
-                    evict_every=evict_every, max_new_tokens=max_new_tokens)
+                    evict_every=evict_every, max_new_tokens=max_new_tokens, fidelity=fidelity)
         for b in budget
     ]
     routed = policy_params(policy, parse_assignments(param, "--param"))
