@@ -71,6 +71,8 @@ def cell_metrics(run: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, A
             "score_ci": [low, high],
             "samples": scores,
             "predictions": {r["sample_id"]: _digest(r["prediction"]) for r in records},
+            **({"kl": {r["sample_id"]: r["kl_mean"] for r in records if r.get("kl_mean") is not None}}
+               if any(r.get("kl_mean") is not None for r in records) else {}),
             "kv_bytes_peak": _mean(records, "kv_bytes_peak"),
             "cache_ratio": _mean(records, "cache_ratio"),
             "speed_vs_full": {key: _mean(records, key) / base[key] for key in SPEED if base.get(key)},
@@ -154,6 +156,7 @@ class Limits:
     max_slowdown: float | None = None  # fraction; None: speed is not gated
     strict: bool = False
     strict_predictions: bool = False  # any changed prediction fails
+    max_kl_increase: float | None = None  # nats per step; cells that carry fidelity (kl_mean) only
 
 
 @dataclass
@@ -263,6 +266,13 @@ def _compare(cell_id: str, label: str, base: dict[str, Any], run: dict[str, Any]
                 room < (check.detectable or 0)
             check.notes.append("can detect no drop" if check.detectable is None or room < check.detectable else
                                f"detects a drop of >= {check.detectable:.0f} points")
+    if limits.max_kl_increase is not None and base.get("kl") and run.get("kl"):
+        paired = sorted(set(base["kl"]) & set(run["kl"]))
+        rise = np.array([run["kl"][s] - base["kl"][s] for s in paired], dtype=float)
+        low, high = bootstrap_ci(rise)
+        if len(rise) and low > limits.max_kl_increase:
+            check.reasons.append(f"KL from the full cache rose {rise.mean():+.4f} nats (95% CI [{low:+.4f}, "
+                                 f"{high:+.4f}] is above +{limits.max_kl_increase:g})")
     if base.get("kv_bytes_peak") and run.get("kv_bytes_peak") is not None:
         check.memory = (base["kv_bytes_peak"], run["kv_bytes_peak"])
         growth = run["kv_bytes_peak"] / base["kv_bytes_peak"] - 1

@@ -90,6 +90,17 @@ def figures(run: str | Path, style: str = "default", log_x: bool = False) -> dic
             nll_records = [r for r in records if r["task_label"] == task and r.get("nll_by_position")]
             if nll_records:
                 out[f"nll_vs_position_{task}"] = _nll_curves(plt, nll_records, style)
+            if "kl_mean" in rows and rows["kl_mean"].notna().any():  # fidelity to the full cache
+                out[f"kl_vs_ratio_{task}"] = _score_curves(plt, rows, "cache_ratio", "cache ratio (kept / full KV "
+                                                           "bytes)", style, log_x, y="kl_mean",
+                                                           ylabel="KL(full || policy), nats per step")
+                out[f"recall_vs_ratio_{task}"] = _score_curves(plt, rows, "cache_ratio", "cache ratio (kept / full "
+                                                               "KV bytes)", style, log_x, y="attn_recall",
+                                                               ylabel="attention recall (full's mass kept)")
+                fidelity = [r for r in records if r["task_label"] == task and r.get("kl_by_position")]
+                out[f"kl_vs_position_{task}"] = _nll_curves(plt, fidelity, style, "kl_by_position",
+                                                            "KL(full || policy), smoothed", "generated token")
+                out[f"recall_by_layer_{task}"] = _recall_by_layer(plt, fidelity, style)
         out["memory_vs_context"] = _memory(plt, frame, style)
         out["speed_vs_budget"] = _speed(plt, frame, style)
         out["pareto"] = _pareto(plt, frame, style)
@@ -134,7 +145,11 @@ def _failed_note(axis, rows: pd.DataFrame) -> None:
         axis.text(0.02, 0.02, text, transform=axis.transAxes, fontsize="x-small", color="#D55E00", va="bottom")
 
 
-def _score_curves(plt, rows: pd.DataFrame, x: str, xlabel: str, style: str, log_x: bool, scale: float = 1.0):
+def _score_curves(plt, rows: pd.DataFrame, x: str, xlabel: str, style: str, log_x: bool, scale: float = 1.0,
+                  y: str = "score", ylabel: str | None = None):
+    """`y` (the score, or a fidelity column with its `_ci_low`/`_ci_high`) against `x`, a curve per policy."""
+    if y != "score":
+        rows = rows.assign(score=rows[y], score_ci_low=rows[f"{y}_ci_low"], score_ci_high=rows[f"{y}_ci_high"])
     lengths = sorted(rows["context_length"].unique())
     figure, axes = _panels(plt, len(lengths), style)
     for axis, length in zip(axes, lengths, strict=True):
@@ -155,7 +170,8 @@ def _score_curves(plt, rows: pd.DataFrame, x: str, xlabel: str, style: str, log_
             axis.plot(xs, series["score"], marker=marker, linestyle=line, color=colour, label=label)
             axis.fill_between(xs, series["score_ci_low"], series["score_ci_high"], color=colour, alpha=0.15)
         _failed_note(axis, panel)
-        axis.set(title=f"{panel['task'].iloc[0]}, {length} tokens", xlabel=xlabel, **_score_axis(panel))
+        axis.set(title=f"{panel['task'].iloc[0]}, {length} tokens", xlabel=xlabel,
+                 **(_score_axis(panel) if ylabel is None else {"ylabel": ylabel}))
         if log_x:
             axis.set_xscale("log")
         axis.grid(alpha=0.3)
@@ -220,9 +236,10 @@ def smooth(values: np.ndarray, window: int) -> np.ndarray:
     return np.convolve(values, kernel, mode="same") / np.convolve(np.ones_like(values), kernel, mode="same")
 
 
-def _nll_curves(plt, records: list[dict[str, Any]], style: str):
-    """Per-token negative log-likelihood vs position (a perplexity task's `nll_by_position`), mean over
-    samples and smoothed, one line per policy and budget, one panel per context length."""
+def _nll_curves(plt, records: list[dict[str, Any]], style: str, key: str = "nll_by_position",
+                ylabel: str = "NLL (nats, smoothed)", xlabel: str = "position (tokens)"):
+    """A per-position series (a perplexity task's `nll_by_position`, fidelity's `kl_by_position`) vs position,
+    mean over samples and smoothed, one line per policy and budget, one panel per context length."""
     lengths = sorted({r["cell"]["context_length"] for r in records})
     figure, axes = _panels(plt, len(lengths), style)
     for axis, length in zip(axes, lengths, strict=True):
@@ -230,15 +247,33 @@ def _nll_curves(plt, records: list[dict[str, Any]], style: str):
         for r in records:
             if r["cell"]["context_length"] == length:
                 budget = "" if r["cell"]["budget"] is None else f" b={r['cell']['budget']}"
-                series.setdefault((r["cell"]["policy"]["name"], budget), []).append(r["nll_by_position"])
+                series.setdefault((r["cell"]["policy"]["name"], budget), []).append(r[key])
         for (policy, budget), curves in sorted(series.items(), key=lambda item: (item[0][0] != "full", item[0])):
             width = min(len(c) for c in curves)
             mean = np.mean([c[:width] for c in curves], axis=0)
             axis.plot(np.arange(width), smooth(mean, max(1, width // 50)), color=policy_colour(policy),
                       label=f"{policy}{budget}", linestyle="--" if policy == "full" else "-")
-        axis.set(title=f"{length} tokens", xlabel="position (tokens)", ylabel="NLL (nats, smoothed)")
+        axis.set(title=f"{length} tokens", xlabel=xlabel, ylabel=ylabel)
         axis.grid(alpha=0.3)
     axes[0].legend(fontsize="x-small")
+    figure.tight_layout()
+    return figure
+
+
+def _recall_by_layer(plt, records: list[dict[str, Any]], style: str):
+    """Attention recall per layer (columns) for each policy and budget (rows), mean over samples and lengths."""
+    rows: dict[str, list[list[float]]] = {}
+    for r in records:
+        if r.get("attn_recall_by_layer"):
+            budget = "" if r["cell"]["budget"] is None else f" b={r['cell']['budget']}"
+            rows.setdefault(f"{r['cell']['policy']['name']}{budget}", []).append(r["attn_recall_by_layer"])
+    labels = sorted(rows, key=lambda label: (not label.startswith("full"), label))
+    table = np.array([np.mean(rows[label], axis=0) for label in labels])
+    width, height = PANEL_SIZE[style]
+    figure, axis = plt.subplots(figsize=(width * 1.5, max(height, 0.35 * len(labels) + 1)))
+    image = axis.imshow(table, aspect="auto", cmap="RdYlGn", vmin=0, vmax=1)
+    axis.set(yticks=range(len(labels)), yticklabels=labels, xlabel="layer", title="attention recall by layer")
+    figure.colorbar(image, ax=axis, label="share of full's attention on kept entries")
     figure.tight_layout()
     return figure
 

@@ -17,9 +17,10 @@ from kvbench.summary import summarize
 GROUP = ["task", "context_length", "question", "prefill"]
 
 
-def recommend(frame: pd.DataFrame, max_drop: float) -> pd.DataFrame:
+def recommend(frame: pd.DataFrame, max_drop: float, max_kl: float | None = None) -> pd.DataFrame:
     """Per group, the cell with the smallest cache ratio whose paired change vs `full` stays within
-    `max_drop` points even at the low end of its 95% CI; what it saves and what it costs in speed."""
+    `max_drop` points even at the low end of its 95% CI (and, with `max_kl`, whose mean KL from the full cache
+    stays within it: only cells that measured fidelity qualify); what it saves and what it costs in speed."""
     rows = []
     for key, group in frame.groupby(GROUP, sort=False):
         full = group[group["policy"] == "full"]
@@ -31,8 +32,11 @@ def recommend(frame: pd.DataFrame, max_drop: float) -> pd.DataFrame:
         # the worst end of the change's CI, in points of improvement (see gate.improvement)
         worst = group["delta_ci_low"] * 100 if higher else -group["delta_ci_high"] / full.iloc[0]["score"] * 100
         ok = group[(group["policy"] != "full") & (worst >= -max_drop)]
+        if max_kl is not None:
+            ok = ok[ok["kl_mean"] <= max_kl] if "kl_mean" in ok else ok.iloc[0:0]
         if ok.empty:
-            rows.append({**row, "policy": None, "note": f"none within {max_drop:g} points"})
+            within = f"{max_drop:g} points" + ("" if max_kl is None else f" and KL {max_kl:g}")
+            rows.append({**row, "policy": None, "note": f"none within {within}"})
             continue
         best = ok.sort_values(["cache_ratio", "score"], ascending=[True, not higher]).iloc[0]
         base = full.iloc[0]
@@ -93,9 +97,18 @@ def failure_gallery(run: str | Path, limit: int = 40) -> list[dict[str, Any]]:
                 sign * record["scores"]["score"] < sign * reference["scores"]["score"]:
             lost.append({"policy": record["cell"]["policy"]["name"], "budget": record["cell"]["budget"],
                          "context_length": record["cell"]["context_length"], "sample": record["sample_id"],
-                         "prediction": record["prediction"], "full_prediction": reference["prediction"],
-                         "references": record["references"]})
+                         "prediction": _mark_departure(record["prediction"], reference["prediction"]),
+                         "full_prediction": reference["prediction"], "references": record["references"],
+                         **({"first_divergence": record["first_divergence"]} if "first_divergence" in record
+                            else {})})
     return lost[:limit]
+
+
+def _mark_departure(prediction: str, full: str) -> str:
+    """The prediction with `⟦` where it leaves the full cache's (nothing if it never does)."""
+    at = next((i for i, (a, b) in enumerate(zip(prediction, full, strict=False)) if a != b),
+              None if len(prediction) == len(full) else min(len(prediction), len(full)))
+    return prediction if at is None else f"{prediction[:at]}⟦{prediction[at:]}"
 
 
 def html_report(run: str | Path, max_drop: float = 2.0) -> Path:

@@ -93,3 +93,22 @@ def test_a_sweep_with_fidelity_summarizes_it(tmp_path):
     assert {"kl_mean", "kl_mean_ci_low", "top1_agreement", "attn_recall"} <= set(frame.columns)
     window = frame[frame["policy"] == "window"].iloc[0]
     assert window["attn_recall"] < 1 and frame[frame["policy"] == "full"].iloc[0]["attn_recall"] == pytest.approx(1)
+
+    from kvbench.plot import figures
+    from kvbench.report import failure_gallery, recommend
+    from kvbench.summary import summarize
+
+    names = set(figures(tmp_path / "run"))
+    assert {"kl_vs_ratio_niah", "recall_vs_ratio_niah", "kl_vs_position_niah", "recall_by_layer_niah"} <= names
+    summary = summarize(tmp_path / "run", write=False)
+    assert recommend(summary, max_drop=100).iloc[0]["policy"] == "window"  # random weights: every score is 0
+    strict = recommend(summary, max_drop=100, max_kl=window["kl_mean"] / 2).iloc[0]
+    assert strict["policy"] is None and "KL" in strict["note"]
+    assert failure_gallery(tmp_path / "run") == []  # random weights: no sample to lose
+
+
+def test_the_gallery_marks_where_a_prediction_leaves_full():
+    from kvbench.report import _mark_departure
+
+    assert _mark_departure("The number is 123", "The number is 456") == "The number is ⟦123"
+    assert _mark_departure("same", "same") == "same" and _mark_departure("ab", "abc") == "ab⟦"

@@ -28,6 +28,7 @@ def make_run(path: Path, cells: dict[str, dict], config_hash: str = "h1") -> Pat
                 "prediction": spec.get("prediction", "123"), "kv_bytes_peak": spec.get("kv_peak", 1000),
                 "cache_ratio": 0.5, "decode_tok_s": spec.get("decode_tok_s", 100.0), "prefill_tok_s": 1000.0,
                 "higher_is_better": spec.get("higher_is_better", True),
+                **({"kl_mean": spec["kl"][index]} if "kl" in spec else {}),
             })
         folder.add_cell({"cell_id": cell_id, "cell": cell, "status": "ok"})
     return path
@@ -223,3 +224,14 @@ def test_the_ci_gate_fails_each_broken_run(tmp_path, how):
     failed = [line for line in (tmp_path / "m.md").read_text().splitlines() if "| fail |" in line]
     if how == "zeroed":  # no single cell of two needles can show it: the run's pool does
         assert len(failed) == 1 and "pooled: every policy but full" in failed[0]
+
+
+def test_a_rise_of_kl_from_the_full_cache_fails_where_scores_cannot_show_it(tmp_path):
+    base = cells(kl=[0.10, 0.12, 0.08, 0.11, 0.09, 0.10, 0.13, 0.07])
+    slightly = cells(kl=[k + 0.001 for k in base["win"]["kl"]])
+    worse = cells(kl=[k + 0.2 for k in base["win"]["kl"]])
+    options = ("--max-kl-increase", "0.01", "--markdown", str(tmp_path / "m.md"))
+    assert run_gate(tmp_path / "same", base, slightly, *options).exit_code == 0
+    result = run_gate(tmp_path / "worse", base, worse, *options)
+    assert result.exit_code == 1 and "KL from the full cache rose +0.2000" in (tmp_path / "m.md").read_text()
+    assert run_gate(tmp_path / "unchecked", base, worse).exit_code == 0  # the scores alone did not move

@@ -63,13 +63,16 @@ def recommend(
     run: str = typer.Argument(..., help="Run folder."),
     max_drop: float = typer.Option(2.0, "--max-drop", min=0, help="Allowed score drop vs full, in points; the "
                                    "low end of the paired 95% CI must stay within it."),
+    max_kl: float | None = typer.Option(None, "--max-kl", min=0, help="Also require a mean KL from the full cache "
+                                        "within this (nats per step; cells of a sweep with diagnostics: [fidelity])."),
 ) -> None:
     """The smallest cache that stays within the allowed drop of full, per task and context length."""
     from kvbench.report import recommend as pick
     from kvbench.summary import summarize as read_summary
     from kvbench.tables import recommend_table
 
-    stdout.print(recommend_table(pick(read_summary(run_folder(run), write=False), max_drop), max_drop))
+    choices = pick(read_summary(run_folder(run), write=False), max_drop, max_kl)
+    stdout.print(recommend_table(choices, max_drop))
 
 
 @app.command()
@@ -98,6 +101,9 @@ def gate_command(
     strict: bool = typer.Option(False, "--strict", help="Fail on cells missing from the run or the baseline."),
     strict_predictions: bool = typer.Option(False, "--strict-predictions", help="Fail when any prediction changed "
                                             "(deterministic CI on one machine type)."),
+    max_kl_increase: float | None = typer.Option(None, "--max-kl-increase", min=0, help="Fail a cell whose mean "
+                                                 "KL from the full cache rose by more (nats per step; cells swept "
+                                                 "with diagnostics: [fidelity])."),
     require_power: bool = typer.Option(False, "--require-power", help="Exit 2 when a cell's samples cannot detect "
                                        "a drop of --max-drop (pooled checks aside)."),
     junit_path: str | None = typer.Option(None, "--junit", help="Write JUnit XML here."),
@@ -109,7 +115,7 @@ def gate_command(
 
     limits = Limits(max_drop=max_drop, max_mem_increase=parse_fraction(max_mem_increase, "--max-mem-increase"),
                     max_slowdown=None if max_slowdown is None else parse_fraction(max_slowdown, "--max-slowdown"),
-                    strict=strict, strict_predictions=strict_predictions)
+                    strict=strict, strict_predictions=strict_predictions, max_kl_increase=max_kl_increase)
     checks = gate(run, load_baseline(baseline_path), limits)
     stdout.print(gate_table(checks, f"kvbench gate: {run} against {baseline_path}"))
     if junit_path:
