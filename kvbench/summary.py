@@ -154,6 +154,7 @@ def _row(cell_id: str, records: list[dict[str, Any]], status: dict[str, Any] | N
     for measure in MEASURES:
         present = [r[measure] for r in records if r.get(measure) is not None]
         row[measure] = float(np.mean(present)) if present else float("nan")
+    row["_lengths"] = {r["sample_id"]: r["generated_tokens"] for r in records if r.get("generated_tokens")}
     for measure in FIDELITY:
         present = np.array([r[measure] for r in records if r.get(measure) is not None], dtype=float)
         if any(measure in r for r in records):
@@ -184,8 +185,19 @@ def _memory_label(memory: dict[str, Any] | None) -> str:
 
 
 def _paired_deltas(frame: pd.DataFrame, records: list[dict[str, Any]]) -> None:
-    """Score minus `full`'s score on the same samples, with a bootstrap CI of the paired differences."""
+    """Score minus `full`'s score on the same samples, with a bootstrap CI of the paired differences; and where
+    the cells generate, `length_ratio`: generated tokens over `full`'s on the same samples (a compressed cache
+    can change how long an answer runs, and so its end-to-end latency)."""
     reference = {row["_pairing"]: row["_scores"] for _, row in frame.iterrows() if row["policy"] == "full"}
+    lengths = {row["_pairing"]: row["_lengths"] for _, row in frame.iterrows() if row["policy"] == "full"}
+    ratios = []
+    for _, row in frame.iterrows():
+        full = lengths.get(row["_pairing"]) or {}
+        shared = [s for s in row["_lengths"] if full.get(s)]
+        ratios.append(float(np.mean([row["_lengths"][s] / full[s] for s in shared])) if shared else float("nan"))
+    if any(not np.isnan(r) for r in ratios):
+        frame["length_ratio"] = ratios
+    del frame["_lengths"]
     deltas, lows, highs = [], [], []
     for _, row in frame.iterrows():
         base = reference.get(row["_pairing"])

@@ -90,7 +90,8 @@ def test_a_sweep_with_fidelity_summarizes_it(tmp_path):
     config = {**TINY, "policies": ["full", "window"], "budgets": [32], "samples": 1, "diagnostics": ["fidelity"]}
     sweep(write_config(tmp_path, config), tmp_path / "run")
     frame = pd.read_csv(tmp_path / "run" / "summary.csv")
-    assert {"kl_mean", "kl_mean_ci_low", "top1_agreement", "attn_recall"} <= set(frame.columns)
+    assert {"kl_mean", "kl_mean_ci_low", "top1_agreement", "attn_recall", "length_ratio"} <= set(frame.columns)
+    assert frame[frame["policy"] == "full"].iloc[0]["length_ratio"] == 1.0
     window = frame[frame["policy"] == "window"].iloc[0]
     assert window["attn_recall"] < 1 and frame[frame["policy"] == "full"].iloc[0]["attn_recall"] == pytest.approx(1)
 
