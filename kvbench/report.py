@@ -134,7 +134,8 @@ def html_report(run: str | Path, max_drop: float = 2.0) -> Path:
              "transformers": env.get("transformers"), "python": env.get("python"),
              "started": manifest.get("started"), "finished": manifest.get("finished")}
     shown = ["task", "context_length", "question", "policy", "params", "budget", "n", "score", "score_ci_low",
-             "score_ci_high", "delta_vs_full", "cache_ratio", "kv_bytes_peak", "ttft_s", "tpot_s", "status"]
+             "score_ci_high", "delta_vs_full", "cache_ratio", "kv_bytes_peak", "ttft_s", "tpot_s",
+             "kl_mean", "top1_agreement", "attn_recall", "length_ratio", "status"]  # fidelity where measured
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>kvbench report</title>",
         "<style>body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;"

@@ -106,6 +106,10 @@ def test_a_sweep_with_fidelity_summarizes_it(tmp_path):
     strict = recommend(summary, max_drop=100, max_kl=window["kl_mean"] / 2).iloc[0]
     assert strict["policy"] is None and "KL" in strict["note"]
     assert failure_gallery(tmp_path / "run") == []  # random weights: no sample to lose
+    from kvbench.report import html_report
+
+    page = html_report(tmp_path / "run").read_text()
+    assert "attn_recall" in page and "recall_by_layer_niah" in page and "kl_vs_position_niah" in page
 
 
 def test_the_gallery_marks_where_a_prediction_leaves_full():
