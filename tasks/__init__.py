@@ -1,5 +1,5 @@
 """Built-in tasks, one file per family; importing this package registers them all."""
-from kvbench.tasks import capacity, dialogue, lmeval, longbench, multiquery, niah, perplexity, ruler  # noqa: F401
+from kvbench.tasks import capacity, dialogue, lmeval, longbench, longgen, multiquery, niah, perplexity, ruler  # noqa: F401
 from kvbench.tasks.base import TASKS, Sample, Task, build_task, encode_prompt, register
 
 __all__ = ["TASKS", "Sample", "Task", "build_task", "encode_prompt", "register"]

@@ -57,3 +57,22 @@ def test_the_embedded_model_finds_the_facts_with_a_full_cache(smollm):
     sample = task.samples(smollm.tokenizer, 600, 1, 0)[0]
     record = evaluate(smollm, task, build_policy("full"), sample, RunSettings(), 600, 0)
     assert record["scores"]["score"] > 0, record["questions"]
+
+
+def test_long_generation_scores_the_reference_through_the_cache_and_records_the_length(tiny_llama):
+    import math
+
+    import torch
+
+    task = build_task("longgen", {"length": 24})
+    sample = task.samples(tiny_llama.tokenizer, 100, 1, 0)[0]
+    full = evaluate(tiny_llama, task, build_policy("full"), sample, RunSettings(), 100, 0)
+    ids = sample.token_ids + sample.meta["continuation"]
+    with torch.no_grad():
+        logits = tiny_llama.model(input_ids=torch.tensor([ids])).logits[0, 99:-1].float()
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(sample.meta["continuation"]))
+    assert full["scores"]["score"] == pytest.approx(math.exp(float(nll)), rel=1e-4)  # the model's own loss
+    window = evaluate(tiny_llama, task, build_policy("window"), sample, RunSettings(budget=32), 100, 0)
+    assert window["scores"]["score"] != pytest.approx(full["scores"]["score"], rel=1e-3)
+    assert window["kept_max"] <= 33 and window["budget_scope"] == "decode"  # the budget held to the end
+    assert full["generated_tokens"] <= 24 and len(window["nll_by_position"]) == 24
