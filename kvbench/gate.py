@@ -261,11 +261,10 @@ def _compare(cell_id: str, label: str, base: dict[str, Any], run: dict[str, Any]
                 f"{changed}/{len(shared)} predictions changed")
         if base.get("higher_is_better", True):  # 0/1-like fractions: a sample can fall at most 100 points
             check.detectable = detectable_drop(len(shared), limits.max_drop)
-            room = base["score"] * 100  # what the baseline leaves to lose
-            check.underpowered = check.detectable is None or check.detectable > max(limits.max_drop, 0) or \
-                room < (check.detectable or 0)
-            check.notes.append("can detect no drop" if check.detectable is None or room < check.detectable else
-                               f"detects a drop of >= {check.detectable:.0f} points")
+            # no drop it could show: not even all samples falling, or more than the baseline has to lose
+            blind = check.detectable is None or base["score"] * 100 < check.detectable
+            check.underpowered = blind or check.detectable > limits.max_drop
+            check.notes.append("can detect no drop" if blind else f"detects a drop of >= {check.detectable:.0f} points")
     if limits.max_kl_increase is not None and base.get("kl") and run.get("kl"):
         paired = sorted(set(base["kl"]) & set(run["kl"]))
         rise = np.array([run["kl"][s] - base["kl"][s] for s in paired], dtype=float)

@@ -132,7 +132,7 @@ class Session:
         self.prefill_s = 0.0  # prefill, append and score time
         self.ttft_s: float | None = None
         self.step_s: list[float] = []  # each one-token step (decode, or scoring one token at a time)
-        self.prompt_tokens = 0  # tokens fed other than by decoding
+        self.tokens_fed = 0  # tokens fed other than by decoding: the record's prompt_tokens
         self.generated_tokens = 0
         self.decoded = False  # entered the decode phase at least once
 
@@ -155,7 +155,7 @@ class Session:
             raise RuntimeError("measurements() needs the session to have run inside `with session:`")
         scope = self.policy.budget_scope if self.decoded else ("prefill" if self.policy.phases else "none")
         return {
-            **timings(self.prompt_tokens, self.prefill_s, self.ttft_s, self.step_s, self.generated_tokens,
+            **timings(self.tokens_fed, self.prefill_s, self.ttft_s, self.step_s, self.generated_tokens,
                       rows=self.rows),
             "budget_tokens": self.budget,
             "budget_scope": scope,
@@ -188,7 +188,7 @@ class Session:
                 self._compress()
         self._enter(Phase.DECODE)
         self.prefill_s += clock.lap() + own_statistics
-        self.prompt_tokens += ids.numel()
+        self.tokens_fed += ids.numel()
 
     @torch.inference_mode()
     def append(self, ids: list[int] | torch.Tensor) -> None:
@@ -199,7 +199,7 @@ class Session:
         self.logits = self._forward(ids)[:, -1]
         self._compress()
         self.prefill_s += clock.lap()
-        self.prompt_tokens += ids.numel()
+        self.tokens_fed += ids.numel()
 
     @torch.inference_mode()
     def step(self, token: int | torch.Tensor) -> torch.Tensor:
@@ -258,7 +258,7 @@ class Session:
         fed = self._inputs(ids[:-1])
         targets = torch.tensor(ids, device=self.lm.device)[(0 if before is not None else 1) :]
         chunk = chunk or max(1, fed.shape[1])
-        logprobs, greedy = [], []
+        logprobs = []
         if before is not None:
             logprobs.append(before.float().log_softmax(-1))
         for start in range(0, fed.shape[1], chunk):
@@ -271,7 +271,7 @@ class Session:
                 self.step_s.append(seconds)
             logprobs.append(logits.float().log_softmax(-1))
             self.logits = logits[-1:]
-        self.prompt_tokens += fed.shape[1]
+        self.tokens_fed += fed.shape[1]
         self.pending = [int(ids[-1])]
         table = torch.cat(logprobs)
         greedy = table.argmax(-1) == targets

@@ -206,6 +206,19 @@ class Wrapper(Policy):
         return stage
 
 
+@dataclasses.dataclass
+class PromptScorer(Policy):
+    """A prefill-time scorer that needs no attention to score (knorm, keydiff): it compresses the prompt, and with
+    `decode: true` keeps evicting while decoding, so the budget holds for the whole generation."""
+
+    phases: ClassVar[tuple[str, ...]] = ("prefill",)
+    decode: bool = False
+
+    @property
+    def evicts_during_decode(self) -> bool:
+        return self.decode
+
+
 def _forwarding(name: str, scope: HookScope) -> Callable:
     def forward(self: Wrapper, *args: Any, **kwargs: Any) -> Any:
         if scope == "all":

@@ -5,12 +5,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvbench.policies.base import Policy, register
+from kvbench.policies.base import PromptScorer, register
 
 
 @register
 @dataclass
-class KeyDiff(Policy):
+class KeyDiff(PromptScorer):
     """KeyDiff (Park et al. 2025): keep the keys least similar to their head's mean key; needs no attention.
 
     A key's score is minus its cosine similarity to the mean of the head's unit-length live keys (as kvpress's
@@ -19,12 +19,6 @@ class KeyDiff(Policy):
     """
 
     name = "keydiff"
-    phases = ("prefill",)
-    decode: bool = False  # also evict while decoding (keeps the budget for the whole generation)
-
-    @property
-    def evicts_during_decode(self) -> bool:
-        return self.decode
 
     def score(self, layer, budget: int) -> torch.Tensor:
         keys = layer.live_keys().float()

@@ -4,21 +4,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.policies.base import Policy, register
+from kvbench.policies.base import PromptScorer, register
 
 
 @register
 @dataclass
-class KeyNorm(Policy):
+class KeyNorm(PromptScorer):
     """Key norm (Devoto et al. 2024): keep the entries whose keys have the lowest L2 norm; needs no attention."""
 
     name = "knorm"
-    phases = ("prefill",)
-    decode: bool = False  # also evict while decoding (keeps the budget for the whole generation)
-
-    @property
-    def evicts_during_decode(self) -> bool:
-        return self.decode
 
     def score(self, layer, budget: int) -> torch.Tensor:
         # RoPE rotates pairs of key dimensions, so the cached (rotated) keys have the original norms

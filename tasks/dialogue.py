@@ -64,7 +64,7 @@ class Dialogue(Task):
 
     def samples(self, tokenizer, context_length: int, count: int, seed: int) -> list[Sample]:
         """`context_length` counts the user turns (with the chat template); the replies come on top."""
-        template = _turn_template(tokenizer)
+        template = turn_template(tokenizer)
         wrapping = len(tokenizer(template.close + template.user(_PASSAGE.format(passage="")),
                                  add_special_tokens=False).input_ids)
         out = []
@@ -106,7 +106,7 @@ class Dialogue(Task):
     def run(self, lm, policy, sample, settings, shared=None):
         from kvbench.session import Generation, Session
 
-        template = _turn_template(lm.tokenizer)
+        template = turn_template(lm.tokenizer)
         turn_ids = [lm.tokenizer(template.user(turn["text"], first=i == 0), add_special_tokens=False).input_ids
                     for i, turn in enumerate(sample.turns)]
         eos = lm.eos_token_ids
@@ -126,8 +126,7 @@ class Dialogue(Task):
                 tokens = session.decode(self.answer_tokens if asks else self.reply_tokens, eos,
                                         ("\n",) if asks else ())[0]
                 if asks:
-                    text = lm.tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
-                    answers[turn["asks"]] = text.strip().split("\n")[0]
+                    answers[turn["asks"]] = answer_line(lm.tokenizer, tokens, eos)
         questions = []
         for index, fact in enumerate(sample.meta["facts"]):
             correct = _matches(answers[index], fact["value"])
@@ -159,7 +158,12 @@ class _TurnTemplate:
         return f"{self.head if first else ''}{text}{self.open_reply}"
 
 
-def _turn_template(tokenizer) -> _TurnTemplate:
+def answer_line(tokenizer, tokens: list[int], eos: set[int]) -> str:
+    """A short answer's text: its first line, without end-of-sequence tokens."""
+    return tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True).strip().split("\n")[0]
+
+
+def turn_template(tokenizer) -> _TurnTemplate:
     if not tokenizer.chat_template:
         return _TurnTemplate(head="User: ", open_reply="\nAssistant:", close="\nUser: ")
     marks = ["\x01U\x01", "\x01A\x01", "\x01V\x01"]

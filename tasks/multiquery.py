@@ -20,7 +20,7 @@ from typing import Any, Literal
 from kvbench.errors import KvbenchError
 from kvbench.tasks.base import Sample, Task, check_context_length, encode_prompt, prompt_overhead, register
 from kvbench.tasks.corpus import haystack_text, load_corpus
-from kvbench.tasks.dialogue import _turn_template
+from kvbench.tasks.dialogue import answer_line, turn_template
 from kvbench.tasks.niah import sentence_boundary
 from kvbench.tasks.words import word_key
 
@@ -100,9 +100,6 @@ class MultiQuery(Task):
                               meta={"facts": facts, "order": order, "mode": self.mode, "pattern": self.pattern}))
         return out
 
-    def sample_count(self, count: int) -> int:
-        return count
-
     def work(self, context_length: int, max_new_tokens: int | None) -> tuple[int, int]:
         queries = self.queries or self.facts
         return context_length, queries * (max_new_tokens or self.answer_tokens)
@@ -112,7 +109,7 @@ class MultiQuery(Task):
 
         facts, order = sample.meta["facts"], sample.meta["order"]
         context_ids, first = encode_prompt(lm.tokenizer, sample)
-        template = _turn_template(lm.tokenizer)
+        template = turn_template(lm.tokenizer)
         close = lm.tokenizer(template.close, add_special_tokens=False).input_ids
 
         def question_ids(fact: int) -> list[int]:
@@ -127,9 +124,7 @@ class MultiQuery(Task):
         def ask(asker: Session, ids: list[int]) -> tuple[int, str]:
             position = asker.seen
             asker.append(ids)
-            tokens = asker.decode(limit, eos, ("\n",))[0]
-            text = lm.tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
-            return position, text.strip().split("\n")[0]
+            return position, answer_line(lm.tokenizer, asker.decode(limit, eos, ("\n",))[0], eos)
 
         session = Session(lm, policy, settings, prompt_tokens=len(context_ids), arrival=max(map(len, asks)) + 1,
                           growth=len(asks) * (limit + 64))
