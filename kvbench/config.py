@@ -164,8 +164,8 @@ class SweepConfig(Strict):
                 if field == "tasks":
                     try:
                         built.check_lengths(self.context_lengths)
-                    except KvbenchError as exc:
-                        raise _Located(("context_lengths",), str(exc)) from None
+                    except KvbenchError as exc:  # the task's own spec, or its lengths: the message says which
+                        raise _Located((field, index), str(exc)) from None
                 if field == "policies":
                     try:
                         built.check_settings(chunked=self.prefill.mode == "chunked")
