@@ -13,10 +13,11 @@ A policy with a storage layout (quant, mixed_precision, lowrank, or `storage:` o
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -25,6 +26,7 @@ from kvbench.errors import KvbenchError
 from kvbench.measure import synchronize
 
 if TYPE_CHECKING:
+    from kvbench.models import ModelInternals
     from kvbench.policies.base import Policy
 
 
@@ -72,6 +74,7 @@ class LayerKV(CacheLayerMixin):
         self.max_held = 0
         self.positions: torch.Tensor | None = None  # [batch, kv_heads, capacity] int64
         self.slot_stats: dict[str, torch.Tensor] = {}  # per-slot policy state, moved with the slots
+        self.layer_stats: dict[str, Any] = {}  # per-layer policy state (query statistics), copied with the layer
 
     # --- transformers Cache layer protocol -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -123,7 +126,15 @@ class LayerKV(CacheLayerMixin):
                 pairs.append((self.slot_stat(name, width, theirs.dtype), theirs))
         for mine, theirs in pairs:
             mine[:, :, : self.length] = theirs[:, :, : self.length]
+        self.layer_stats.update({name: copy.deepcopy(other.layer_stats[name]) for name in stats
+                                 if name in other.layer_stats})
         self._adopt_entries(other)
+
+    def truncate(self, count: int) -> None:
+        """Forget the `count` newest tokens, as if never fed (they occupy the last slots: nothing was evicted
+        since they arrived). A probe's tokens leave this way (KVzip's reconstruction)."""
+        self.length -= count
+        self.seen -= count
 
     def _adopt_entries(self, other: LayerKV) -> None:
         self.keys[:, :, : self.length] = other.keys[:, :, : self.length]
@@ -145,6 +156,9 @@ class LayerKV(CacheLayerMixin):
 
     def live_keys(self) -> torch.Tensor:
         return self.keys[:, :, : self.length]
+
+    def live_values(self) -> torch.Tensor:
+        return self.values[:, :, : self.length]
 
     def entry_bytes(self) -> int:
         """Bytes of one slot of one KV head (its key and value)."""
@@ -284,8 +298,10 @@ class KVCache(Cache):
         left_padding: torch.Tensor | None = None,
         phase: Phase = Phase.PREFILL,
         prompt_tokens: int | None = None,
+        model: ModelInternals | None = None,
     ) -> None:
         self.policy = policy
+        self._model = model  # what a policy may read of the model (rotary embedding, output projections)
         self.limit_bytes = limit_bytes  # KV bytes allowed (a memory-pressure cell on CPU): beyond, out of memory
         self.left_padding = left_padding  # [batch] padding tokens in front of each row (batch > 1)
         self.budget = budget
@@ -315,6 +331,12 @@ class KVCache(Cache):
                 raise KvbenchError(f"policy '{policy.name}': compressed storage runs at batch 1")
             layout.fit(batch_heads_dim[2])
         super().__init__(layers=[layout.layer(self, i) if layout else LayerKV(self, i) for i in range(num_layers)])
+
+    @property
+    def model(self) -> ModelInternals:
+        if self._model is None:
+            raise KvbenchError(f"policy '{self.policy.name}' reads the model, but this cache was built without one")
+        return self._model
 
     def capacity_for(self, live: int, layer_idx: int) -> int:
         """Slots a layer's buffer gets when it must hold `live` entries."""

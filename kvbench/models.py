@@ -57,6 +57,40 @@ RANDOM_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+class ModelInternals:
+    """What a few policies read of the model itself: its rotary embedding (Expected Attention un-rotates queries
+    and rotates their statistics to future positions) and each layer's output projection (CriticalKV). A cache
+    holds one; copying a cache (a fork) shares it, never the weights."""
+
+    def __init__(self, model: transformers.PreTrainedModel) -> None:
+        self.model = model
+
+    def __deepcopy__(self, memo: dict) -> ModelInternals:
+        return self
+
+    def rotary(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(cos, sin)` `[B, n, head_dim]` in float32 for `positions` `[B, n]`, as the model's attention applies
+        them (`q * cos + rotate_half(q) * sin`, any attention scaling folded in)."""
+        rotary = getattr(getattr(self.model, "model", None), "rotary_emb", None)
+        if rotary is None:
+            raise KvbenchError(f"{type(self.model).__name__} has no shared rotary embedding (model.rotary_emb): "
+                               f"this policy needs RoPE positions")
+        cos, sin = rotary(like.float(), positions)
+        if cos.shape[-1] != like.shape[-1]:
+            raise KvbenchError(f"{type(self.model).__name__} rotates {cos.shape[-1]} of {like.shape[-1]} "
+                               f"head dimensions (partial RoPE): not supported by this policy")
+        return cos.float(), sin.float()
+
+    def output_projection(self, layer_idx: int) -> torch.Tensor:
+        """Layer `layer_idx`'s attention output projection `[hidden, heads * head_dim]`."""
+        attention_module = self.model.model.layers[layer_idx].self_attn
+        projection = getattr(attention_module, "o_proj", None)
+        if projection is None:
+            raise KvbenchError(f"{type(attention_module).__name__} has no o_proj: this policy needs the attention "
+                               f"output projection")
+        return projection.weight
+
+
 @dataclass
 class LoadedModel:
     model: transformers.PreTrainedModel
@@ -67,6 +101,10 @@ class LoadedModel:
     # transformers renamed the cache argument within 5.x; pass whichever forward() accepts
     cache_arg: str
     takes_cache_position: bool
+
+    @property
+    def internals(self) -> ModelInternals:
+        return ModelInternals(self.model)
 
     @property
     def num_layers(self) -> int:

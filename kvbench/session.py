@@ -123,7 +123,7 @@ class Session:
         self.cache = KVCache(lm.num_layers, (self.rows, lm.kv_heads, lm.head_dim), policy, self.budget,
                              evict_every=settings.evict_every, headroom=headroom, growth=growth,
                              observers=observers, limit_bytes=settings.kv_limit_bytes, prompt_tokens=prompt_tokens,
-                             left_padding=left_padding if padded else None)
+                             left_padding=left_padding if padded else None, model=lm.internals)
         self.logits: torch.Tensor | None = None  # [rows, vocab]: the prediction of the next token
         self.pending: list[int] = []  # a generated token not fed yet: it goes in front of what comes next
         self.shared: SharedPrefill | None = None
@@ -179,12 +179,15 @@ class Session:
             self.cache.adopt(shared.cache)
             self.logits, self.shared = shared.logits, shared
             self.earlier.append(shared.memory)
+            self.policy.after_prompt(self, ids)
             self.cache.compress()
             own_statistics = shared.seconds_for(self.policy)
         else:
             chunk = self.settings.prefill_chunk if self.settings.prefill == "chunked" else ids.shape[1]
             for start in range(0, ids.shape[1], chunk):
                 self.logits = self._forward(ids[:, start : start + chunk])[:, -1]
+                if start + chunk >= ids.shape[1]:
+                    self.policy.after_prompt(self, ids)
                 self._compress()
         self._enter(Phase.DECODE)
         self.prefill_s += clock.lap() + own_statistics
@@ -245,16 +248,27 @@ class Session:
         return rows
 
     @torch.inference_mode()
+    def probe(self, ids: list[int] | torch.Tensor) -> None:
+        """Feed `ids` for their attention statistics only (the observers see them), then forget them: the cache
+        holds what it held before, its peak counts them. KVzip's reconstruction runs this way."""
+        ids = ids.to(self.lm.device) if isinstance(ids, torch.Tensor) else torch.tensor([ids], device=self.lm.device)
+        self._forward(ids)
+        for layer in self.cache.layers:
+            layer.truncate(ids.shape[1])
+
+    @torch.inference_mode()
     def score(self, ids: list[int], chunk: int | None = None) -> Scored:
         """Log-probabilities of `ids`, teacher-forced through the cache `chunk` tokens at a time (all at once
-        by default), compressing after each chunk as the phase says: on a fresh session the text streams as a
-        prompt; after a prefill it is a continuation, where a decode-time policy evicts. Every token is scored
-        from what precedes it, the first from the pending prediction; a fresh session has none, so there
-        the first token only starts the text and `len(ids) - 1` are scored. The last token is left pending.
-        Single row."""
+        by default), compressing after each chunk as the phase says. On a fresh session the text streams: its
+        first chunk is the prompt (compressed as one), the rest decode, where only a decode-time policy evicts,
+        so a prefill-time policy's cache grows over the text as it would over a generation. After a prefill
+        the text is a continuation (decode). Every token is scored from what precedes it, the first from the
+        pending prediction; a fresh session has none, so there the first token only starts the text and
+        `len(ids) - 1` are scored. The last token is left pending. Single row."""
         if self.rows != 1:
             raise ValueError("score() runs on a single-row session")
         before = None if self.pending else self.logits
+        fresh = self.seen == 0
         fed = self._inputs(ids[:-1])
         targets = torch.tensor(ids, device=self.lm.device)[(0 if before is not None else 1) :]
         chunk = chunk or max(1, fed.shape[1])
@@ -263,7 +277,10 @@ class Session:
             logprobs.append(before.float().log_softmax(-1))
         for start in range(0, fed.shape[1], chunk):
             clock = Stopwatch(self.lm.device)
+            self._enter(Phase.PREFILL if fresh and start == 0 else Phase.DECODE)
             logits = self._forward(fed[:, start : start + chunk], all_logits=True)[0]
+            if self.cache.phase is Phase.PREFILL:
+                self.policy.after_prompt(self, fed[:, :chunk])
             self._compress()
             seconds = clock.lap()
             self.prefill_s += seconds

@@ -91,6 +91,9 @@ class StoredLayerKV(LayerKV):
     def _adopt_entries(self, other: LayerKV) -> None:
         self._store(other.live_keys(), other.values[:, :, : self.length], new_from=0)
 
+    def truncate(self, count: int) -> None:
+        raise KvbenchError("compressed storage cannot forget tokens it has stored (a probe needs plain slots)")
+
     # --- storage --------------------------------------------------------------------------
     @property
     def capacity(self) -> int:
@@ -98,6 +101,9 @@ class StoredLayerKV(LayerKV):
 
     def live_keys(self) -> torch.Tensor:
         return self._decoded()[0]
+
+    def live_values(self) -> torch.Tensor:
+        return self._decoded()[1]
 
     def entry_bytes(self) -> int:
         return self._entry_bytes

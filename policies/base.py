@@ -21,6 +21,7 @@ from kvbench.registry import Registry, declared_params
 
 if TYPE_CHECKING:
     from kvbench.cache import KVCache, LayerKV
+    from kvbench.session import Session
     from kvbench.storage import Layout
 
 PHASES = ("prefill", "decode")
@@ -98,6 +99,11 @@ class Policy:
         """Entries per KV head for each layer (the same `budget` everywhere by default); `prompt_tokens`, when the
         cache knows it, lets a schedule cap a layer at what the prompt holds (PyramidKV)."""
         return [budget] * num_layers
+
+    @hook("first")
+    def after_prompt(self, session: Session, prompt: torch.Tensor) -> None:
+        """Called once the prompt `[rows, n]` is in `session`'s cache, before it is compressed: a policy may run
+        extra forwards through it here (KVzip's reconstruction, with `session.probe`)."""
 
     @hook("active")
     def active(self, cache: KVCache) -> bool:

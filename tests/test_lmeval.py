@@ -88,7 +88,7 @@ def test_rolling_loglikelihood_streams_through_the_cache(tiny_llama):
     model = KvbenchLM(pretrained=tiny_llama, policy=build_policy("window"), budget=48, stream_chunk=32)
     windowed = model.loglikelihood_rolling([Request(text)])[0]
     assert windowed != pytest.approx(full, abs=1e-3)
-    assert model.measurements[0]["kept_max_ever"] <= 48 + 32 and model.measurements[0]["budget_scope"] == "prefill"
+    assert model.measurements[0]["kept_max_ever"] <= 48 + 32 and model.measurements[0]["budget_scope"] == "decode"
 
 
 def test_local_tasks_run_under_a_policy(tiny_llama, tmp_path):

@@ -57,8 +57,26 @@ def test_a_fresh_session_scores_every_token_but_the_first(tiny_llama):
         result = session.score(text, chunk=16)
     torch.testing.assert_close(result.logprobs, one_pass_logprobs(tiny_llama, text[:1], text[1:]),
                                atol=1e-5, rtol=1e-5)
-    assert session.cache.phase is Phase.PREFILL and not session.decoded  # streamed as a prompt
+    assert session.cache.phase is Phase.DECODE  # the first chunk was the prompt, the rest streamed as decode
     assert session.measurements()["budget_scope"] == "none"
+
+
+@pytest.mark.parametrize(("policy", "bounded"), [("snapkv", False), ("window", True), ("hybrid", True)])
+def test_streamed_text_is_a_prompt_then_a_continuation(sharp_llama, policy, bounded):
+    """A fresh session's first chunk is compressed as a prompt; after it only a decode-time policy (or a hybrid's
+    decode stage) evicts, so a prefill-time policy's cache grows with the text."""
+    text, chunk, budget = CONTEXT + CONTINUATION, 48, 40
+    session = Session(sharp_llama, build_policy(policy), RunSettings(budget=budget), prompt_tokens=len(text),
+                      arrival=chunk)
+    phases = []
+    session.cache.compress = lambda original=session.cache.compress: (phases.append(session.cache.phase),
+                                                                      original())[1]
+    with session:
+        session.score(text, chunk=chunk)
+    held = max(layer.length for layer in session.cache.layers)
+    assert phases[0] is Phase.PREFILL and set(phases[1:]) <= {Phase.DECODE}
+    assert held == (budget if bounded else budget + len(text) - 1 - chunk)
+    assert session.measurements()["budget_scope"] == ("decode" if bounded else "prefill")
 
 
 def test_a_fork_shares_nothing_mutable(sharp_llama):

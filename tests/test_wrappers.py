@@ -1,4 +1,5 @@
-"""Wrappers (compose, hybrid, adaptive, ada_kv) forward every policy hook to their stages by construction."""
+"""Wrappers (compose, hybrid, adaptive, ada_kv, chunkkv, criticalkv) forward every policy hook to their stages
+by construction."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ WRAPPERS = sorted(name for name in POLICIES.names() if issubclass(POLICIES.get(n
 
 
 def test_the_registered_wrappers_are_the_known_ones():
-    assert WRAPPERS == ["ada_kv", "adaptive", "chunkkv", "compose", "hybrid"]
+    assert WRAPPERS == ["ada_kv", "adaptive", "chunkkv", "compose", "criticalkv", "hybrid"]
 
 
 class Spy(Policy):
@@ -61,7 +62,8 @@ def call_hook(policy: Policy, name: str, cache) -> None:
     layer = SimpleNamespace(owner=cache)
     arguments = {"observe": (layer, None, None, 1.0, cache.phase), "score": (layer, 8), "select": (layer, 8),
                  "fold": (layer, None), "layer_budgets": (8, 2), "active": (cache,), "report": (),
-                 "check_settings": (False,), "check_budget": (8,), "observers": (), "state_keys": ()}
+                 "check_settings": (False,), "check_budget": (8,), "observers": (), "state_keys": (),
+                 "after_prompt": (SimpleNamespace(cache=cache), None)}
     getattr(policy, name)(*arguments[name])
 
 

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvbench.errors import KvbenchError
+from kvbench.policies.base import Policy, Wrapper, register
+
+
+@register
+@dataclass
+class CriticalKV(Wrapper):
+    """CriticalKV (Feng et al. 2025): a base policy's scores corrected by what an entry adds to the output.
+
+    Two stages, as kvpress's CriticalKVPress: the base's `int(first_stage_ratio x budget)` best entries per head
+    are kept outright; the rest of the budget goes to the best of (base score + `epsilon`) x ||W_o v||_1, the L1
+    norm of the entry's value through each query head's slice of the output projection, averaged over the KV
+    head's query heads. Entries the base protects (a window) stay protected. Its phases are its base's.
+    """
+
+    name = "criticalkv"
+    phases = ("prefill",)
+    needs_attention = True
+    base: str | dict[str, Any] = "snapkv"
+    epsilon: float = 1e-4
+    first_stage_ratio: float = 0.5
+    decides = frozenset({"score", "select"})  # its own two-stage scores; the base's kept set (kvzip) is not used
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.first_stage_ratio <= 1.0 or self.epsilon < 0:
+            raise KvbenchError("policy 'criticalkv' needs first_stage_ratio in [0, 1] and epsilon >= 0")
+        base = self.build_stage(self.base)
+        if not base.phases or type(base).score is Policy.score:
+            raise KvbenchError(f"policy 'criticalkv': base '{base.name}' must score entries for eviction "
+                               "(snapkv, expected_attention, h2o, ...)")
+        self._stages = (base,)
+        self.phases = base.phases
+
+    @property
+    def evicts_during_decode(self) -> bool:
+        return self._stages[0].evicts_during_decode
+
+    def select(self, layer, budget: int) -> None:
+        return None
+
+    def score(self, layer, budget: int) -> torch.Tensor:
+        scores = self.stage(layer.owner).score(layer, budget).float()
+        first = scores.topk(min(int(budget * self.first_stage_ratio), scores.shape[-1]), dim=-1).indices
+        corrected = (scores + self.epsilon) * projected_value_norm(layer)
+        return corrected.scatter(-1, first, float("inf"))
+
+
+def projected_value_norm(layer) -> torch.Tensor:
+    """||W_o^h v||_1 of each live entry for each query head h of its KV head, averaged over those heads:
+    `[B, kv_heads, n]`. One query head's projection at a time, so no `[n, hidden]` product per head is kept."""
+    values = layer.live_values().float()
+    batch, kv_heads, n, dim = values.shape
+    weight = layer.owner.model.output_projection(layer.layer_idx).float()  # [hidden, heads * dim]
+    heads = weight.shape[1] // dim
+    group = heads // kv_heads
+    total = values.new_zeros(batch, kv_heads, n)
+    for head in range(heads):
+        total[:, head // group] += (values[:, head // group] @ weight[:, head * dim : (head + 1) * dim].T).abs().sum(-1)
+    return total / group

@@ -1,0 +1,162 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.attention import chunk_elements
+from kvbench.errors import KvbenchError
+from kvbench.policies.base import Policy, protect, register
+
+
+@dataclass
+class QueryMoments:
+    """A layer's query statistics, pre-RoPE, per query head: the prompt's count, sum and sum of outer products
+    (`[B, H]`, `[B, H, D]`, `[B, H, D, D]`, float32), and for decoding a ring of the newest queries."""
+
+    count: torch.Tensor
+    total: torch.Tensor
+    outer: torch.Tensor
+    scaling: float
+    recent: torch.Tensor | None = None  # [B, H, query_buffer, D]
+    recent_seen: int = 0
+
+
+@register
+@dataclass
+class ExpectedAttention(Policy):
+    """Expected Attention (Devoto et al. 2025; kvpress's ExpectedAttentionPress): keep the entries future queries
+    are expected to attend to.
+
+    The pre-RoPE queries of the prompt (the first `n_sink` positions left out, as outliers) give each query head
+    a mean mu and covariance S; both are rotated by RoPE averaged over the next `n_future_positions` positions
+    (R = mean of R(p)). For a query q ~ N(R mu, R S R^T), E[exp(s q.k)] = exp(s k.R mu + s^2/2 k^T R S R^T k):
+    its softmax over the live keys, averaged over the KV head's query heads, times ||v||_2 (`use_vnorm`, after
+    adding `epsilon`) is the score; the first `n_sink` positions are always kept. s is the model's attention
+    scaling (1/sqrt(d) where kvpress writes it). Queries are un-rotated from the attention's own (post-RoPE)
+    ones, so QK-normed models (Qwen3, Gemma3) get the normed queries, as kvpress recomputes them.
+    With `decode: true` it keeps evicting while decoding, from the statistics of the newest `query_buffer`
+    queries (the prompt's last ones first), as kvpress's DecodingPress scores from buffered queries.
+    """
+
+    name = "expected_attention"
+    phases = ("prefill",)
+    needs_attention = True
+    n_future_positions: int = 512
+    n_sink: int = 4
+    use_covariance: bool = True
+    use_vnorm: bool = True
+    epsilon: float = 0.0
+    decode: bool = False
+    query_buffer: int = 128
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.n_future_positions < 1 or self.query_buffer < 2:
+            raise KvbenchError("policy 'expected_attention' needs n_future_positions >= 1 and query_buffer >= 2")
+        if self.n_sink < 0 or self.epsilon < 0:
+            raise KvbenchError("policy 'expected_attention' parameters 'n_sink' and 'epsilon' must be >= 0")
+
+    @property
+    def evicts_during_decode(self) -> bool:
+        return self.decode
+
+    def check_budget(self, budget: int) -> None:
+        super().check_budget(budget)
+        if budget <= self.n_sink:
+            raise KvbenchError(f"expected_attention: budget {budget} must exceed n_sink={self.n_sink}")
+
+    def observe(self, layer, query, key, scaling, phase) -> None:
+        if phase != "prefill" and not self.decode:
+            return
+        positions = _query_positions(layer, query.shape[2])
+        cos, sin = layer.owner.model.rotary(query, positions.clamp(min=0))
+        plain = query.float() * cos[:, None] - _rotate_half(query.float()) * sin[:, None]  # R(p)^T q
+        moments = layer.layer_stats.get(self.state_key)
+        if moments is None:
+            batch, heads, _, dim = query.shape
+            moments = layer.layer_stats[self.state_key] = QueryMoments(
+                query.new_zeros((batch, heads), dtype=torch.float32),
+                query.new_zeros((batch, heads, dim), dtype=torch.float32),
+                query.new_zeros((batch, heads, dim, dim), dtype=torch.float32), scaling)
+        counted = positions >= self.n_sink  # [B, q]: sinks and a padded row's padding left out
+        if phase == "prefill":
+            kept = plain * counted[:, None, :, None]
+            moments.count += counted.sum(dim=1)[:, None]
+            moments.total += kept.sum(dim=2)
+            moments.outer += kept.transpose(-1, -2) @ kept
+        if self.decode:
+            _remember(moments, plain[:, :, counted.all(dim=0)][:, :, -self.query_buffer :], self.query_buffer)
+
+    def score(self, layer, budget: int) -> torch.Tensor:
+        moments = layer.layer_stats[self.state_key]
+        if layer.owner.phase == "prefill" or moments.recent_seen < 2:
+            count = moments.count.clamp(min=1)[..., None]
+            mean = moments.total / count
+            covariance = moments.outer / count[..., None] - mean[..., :, None] * mean[..., None, :]
+        else:
+            held = moments.recent[:, :, : min(moments.recent_seen, self.query_buffer)]
+            mean = held.mean(dim=2)
+            centered = held - mean[:, :, None]
+            covariance = centered.transpose(-1, -2) @ centered / held.shape[2]
+        rotation = self._future_rotation(layer, mean)  # [B, D, D]
+        mean = torch.einsum("bed,bhd->bhe", rotation, mean)
+        covariance = torch.einsum("bed,bhdf,bgf->bheg", rotation, covariance, rotation)
+        scores = self._expected(layer, mean, covariance if self.use_covariance else None, moments.scaling)
+        if self.use_vnorm:
+            scores = (scores + self.epsilon) * layer.live_values().float().norm(dim=-1)
+        return protect(scores, layer.live_positions() < self.n_sink)
+
+    def _future_rotation(self, layer, like: torch.Tensor) -> torch.Tensor:
+        """RoPE's rotation matrix averaged over the next `n_future_positions` positions, per row `[B, D, D]`."""
+        batch, dim = like.shape[0], like.shape[-1]
+        start = torch.as_tensor(layer.next_position(), device=like.device).reshape(-1)[:, None]
+        positions = (start + torch.arange(self.n_future_positions, device=like.device)).expand(batch, -1)
+        cos, sin = layer.owner.model.rotary(like, positions)
+        half = dim // 2
+        swap = torch.zeros(dim, dim, device=like.device)  # rotate_half as a matrix: x -> (-x2, x1)
+        swap[:half, half:] = -torch.eye(half, device=like.device)
+        swap[half:, :half] = torch.eye(half, device=like.device)
+        return torch.diag_embed(cos.mean(dim=1)) + sin.mean(dim=1)[..., None] * swap
+
+    def _expected(self, layer, mean: torch.Tensor, covariance: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """Softmax over the non-sink live keys of each query head's expected logit, averaged over the KV head's
+        query heads: `[B, kv_heads, n]`. Chunked over keys so the covariance term holds one block at a time."""
+        keys = layer.live_keys().float()
+        batch, kv_heads, n, dim = keys.shape
+        group = mean.shape[1] // kv_heads
+        mean = mean.view(batch, kv_heads, group, dim)
+        logits = torch.einsum("bkgd,bknd->bkgn", mean, keys) * scaling
+        if covariance is not None:
+            covariance = covariance.view(batch, kv_heads, group, dim, dim)
+            block = max(1, chunk_elements(keys.device) // max(1, batch * kv_heads * group * dim))
+            for start in range(0, n, block):
+                part = keys[:, :, start : start + block]
+                spread = torch.einsum("bknd,bkgde,bkne->bkgn", part, covariance, part)
+                logits[..., start : start + block] += spread * (scaling * scaling / 2)
+        hidden = layer.live_positions() < self.n_sink
+        if layer.padding() is not None:
+            hidden = hidden | layer.padding()
+        logits = logits.masked_fill(hidden[:, :, None], float("-inf"))
+        return logits.softmax(dim=-1).nan_to_num(0.0).mean(dim=2)
+
+
+def _query_positions(layer, count: int) -> torch.Tensor:
+    """`[B, count]` positions of the newest `count` tokens (negative on a left-padded row's padding)."""
+    newest = torch.as_tensor(layer.next_position(), device=layer.device).reshape(-1)[:, None]
+    return newest - count + torch.arange(count, device=layer.device)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def _remember(moments: QueryMoments, queries: torch.Tensor, size: int) -> None:
+    """Write `queries` `[B, H, q, D]` into the ring of the newest `size` queries."""
+    if moments.recent is None:
+        moments.recent = queries.new_zeros(queries.shape[:2] + (size, queries.shape[-1]))
+    cells = (moments.recent_seen + torch.arange(queries.shape[2], device=queries.device)) % size
+    moments.recent[:, :, cells] = queries
+    moments.recent_seen += queries.shape[2]
+
