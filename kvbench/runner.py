@@ -58,6 +58,7 @@ def evaluate(lm: LoadedModel, task: Task, policy: Policy, sample: Sample, settin
         "seed": seed,
         **task.outcome(generation, sample),
         "higher_is_better": task.higher_is_better,
+        "scenario": task.workload(),
         "meta": sample.meta,
         **generation.measurements,
     }

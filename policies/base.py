@@ -213,6 +213,31 @@ class Wrapper(Policy):
 
 
 @dataclasses.dataclass
+class Rescorer(Wrapper):
+    """A wrapper that ranks entries by its base policy's scores, rescored (chunkkv, criticalkv). The base must
+    score entries for eviction and leave the kept set to its scores (not ada_kv or kvzip, which pick their own);
+    its phases are the wrapper's."""
+
+    phases: ClassVar[tuple[str, ...]] = ("prefill",)
+    needs_attention: ClassVar[bool] = True
+    base: str | dict[str, Any] = "snapkv"  # whose scores are rescored: a name, or {name: ..., params...}
+    decides: ClassVar[frozenset[str]] = frozenset({"score"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        base = self.build_stage(self.base)
+        if not base.phases or type(base).score is Policy.score or type(base).select is not Policy.select:
+            raise KvbenchError(f"policy '{self.name}': base '{base.name}' must score entries for eviction "
+                               "(snapkv, knorm, h2o, expected_attention, ...)")
+        self._stages = (base,)
+        self.phases = base.phases
+
+    @property
+    def evicts_during_decode(self) -> bool:
+        return self._stages[0].evicts_during_decode
+
+
+@dataclasses.dataclass
 class PromptScorer(Policy):
     """A prefill-time scorer that needs no attention to score (knorm, keydiff): it compresses the prompt, and with
     `decode: true` keeps evicting while decoding, so the budget holds for the whole generation."""

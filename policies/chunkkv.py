@@ -1,17 +1,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Policy, Wrapper, register
+from kvbench.policies.base import Rescorer, register
 
 
 @register
 @dataclass
-class ChunkKV(Wrapper):
+class ChunkKV(Rescorer):
     """ChunkKV (Liu et al. 2025): whole chunks of `chunk` consecutive tokens, ranked by a base policy's scores.
 
     The live entries, in position order, are cut into chunks; a chunk's score is its entries' mean base score
@@ -22,26 +21,12 @@ class ChunkKV(Wrapper):
     """
 
     name = "chunkkv"
-    phases = ("prefill",)
-    needs_attention = True
-    base: str | dict[str, Any] = "snapkv"  # whose scores rank the chunks: a name, or {name: ..., params...}
     chunk: int = 10
-    decides = frozenset({"score"})
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         if self.chunk < 1:
             raise KvbenchError(f"policy 'chunkkv' parameter 'chunk' must be at least 1, got {self.chunk}")
-        base = self.build_stage(self.base)
-        if not base.phases or type(base).select is not Policy.select:
-            raise KvbenchError(f"policy 'chunkkv': base '{base.name}' must score entries for eviction "
-                               "(snapkv, knorm, h2o, ...)")
-        self._stages = (base,)
-        self.phases = base.phases
-
-    @property
-    def evicts_during_decode(self) -> bool:
-        return self._stages[0].evicts_during_decode
+        super().__post_init__()
 
     def score(self, layer, budget: int) -> torch.Tensor:
         order = layer.live_positions().argsort(dim=-1)

@@ -1,17 +1,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Policy, Wrapper, register
+from kvbench.policies.base import Rescorer, register
 
 
 @register
 @dataclass
-class CriticalKV(Wrapper):
+class CriticalKV(Rescorer):
     """CriticalKV (Feng et al. 2025): a base policy's scores corrected by what an entry adds to the output.
 
     Two stages, as kvpress's CriticalKVPress: the base's `int(first_stage_ratio x budget)` best entries per head
@@ -21,30 +20,13 @@ class CriticalKV(Wrapper):
     """
 
     name = "criticalkv"
-    phases = ("prefill",)
-    needs_attention = True
-    base: str | dict[str, Any] = "snapkv"
     epsilon: float = 1e-4
     first_stage_ratio: float = 0.5
-    decides = frozenset({"score", "select"})  # its own two-stage scores; the base's kept set (kvzip) is not used
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         if not 0.0 <= self.first_stage_ratio <= 1.0 or self.epsilon < 0:
             raise KvbenchError("policy 'criticalkv' needs first_stage_ratio in [0, 1] and epsilon >= 0")
-        base = self.build_stage(self.base)
-        if not base.phases or type(base).score is Policy.score:
-            raise KvbenchError(f"policy 'criticalkv': base '{base.name}' must score entries for eviction "
-                               "(snapkv, expected_attention, h2o, ...)")
-        self._stages = (base,)
-        self.phases = base.phases
-
-    @property
-    def evicts_during_decode(self) -> bool:
-        return self._stages[0].evicts_during_decode
-
-    def select(self, layer, budget: int) -> None:
-        return None
+        super().__post_init__()
 
     def score(self, layer, budget: int) -> torch.Tensor:
         scores = self.stage(layer.owner).score(layer, budget).float()

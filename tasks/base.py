@@ -43,6 +43,10 @@ class Task:
     higher_is_better: ClassVar[bool] = True
     # a sample is one prompt and one answer, so cells of a sweep may share the prompt's forward
     shares_prefill: ClassVar[bool] = True
+    # the workload it stands for (`kvbench report` recommends a policy per scenario): "prompt-heavy" (the prompt
+    # holds everything: retrieval, summaries), "generation-heavy" (what matters appears while generating),
+    # "dialogue", "shared-context" (one context, many requests), "streaming" (language modelling)
+    scenario: ClassVar[str] = "prompt-heavy"
 
     def samples(self, tokenizer: PreTrainedTokenizerBase, context_length: int, count: int,
                 seed: int) -> list[Sample]:
@@ -77,6 +81,10 @@ class Task:
         """The record's task fields: the prediction, the references and the scores (and any series)."""
         return {"prediction": generation.prediction, "references": sample.answers,
                 "scores": self.score(generation.prediction, sample)}
+
+    def workload(self) -> str:
+        """This task's scenario (a task whose parameters change it says so)."""
+        return self.scenario
 
     @classmethod
     def params(cls) -> dict[str, Any]:

@@ -17,6 +17,7 @@ class Capacity(Task):
     `decode_steps` steps within `memory_limit` or the cell's memory condition; score = that size."""
 
     name = "capacity"
+    scenario = "capacity"
     shares_prefill = False
     search: Literal["batch", "context"] = "batch"
     batch: int = 1  # the batch of a context search

@@ -49,6 +49,7 @@ class Dialogue(Task):
     also by the distance in tokens between a fact and its question."""
 
     name = "dialogue"
+    scenario = "dialogue"
     shares_prefill = False
     facts: int = 4
     passage_tokens: int = 256

@@ -26,6 +26,7 @@ class LongGen(Task):
 
     name = "longgen"
     higher_is_better = False
+    scenario = "generation-heavy"
     shares_prefill = False  # its prompt is token ids, scored and generated in two sessions
     length: int = 256
     corpus: str = "embedded"

@@ -58,6 +58,10 @@ class MultiQuery(Task):
             raise KvbenchError(f"task 'multiquery' parameter 'hotspot_share' must be in [0, 1], "
                                f"got {self.hotspot_share}")
 
+    def workload(self) -> str:
+        # a chat over a document generates into the cache; a prefix-cached server asks each question afresh
+        return "generation-heavy" if self.mode == "multi_turn" else "shared-context"
+
     def order(self, rng: random.Random) -> list[int]:
         """Which fact each question asks about, by the access pattern."""
         count = self.queries or self.facts

@@ -1,11 +1,13 @@
 """Perplexity of a long text streamed through the cache under a policy, as StreamingLLM measures it.
 
 The text goes through the model `chunk` tokens at a time (one in `exact` mode). Each step's tokens are
-scored against the cache as it stands (plus causal attention among themselves), then the policy
-compresses the cache to its budget, as after a prefill chunk. `exact` is the definition: every token
-is predicted from a cache evicted right before it. `chunked` is ~`chunk` times faster; within a chunk
-the cache holds up to `budget + chunk` entries, so its perplexity is a little lower than `exact`'s at
-the same budget (the gap shrinks as chunk / budget does).
+scored against the cache as it stands (plus causal attention among themselves). The first chunk is the
+prompt, compressed as one; the rest is a continuation, where a decode-time policy evicts to its budget after
+every step and a prefill-time one (SnapKV) lets the cache grow, as it would over a generation
+(`budget_scope` says which). `exact` is the definition: every token is predicted from a cache evicted right
+before it. `chunked` is ~`chunk` times faster; within a chunk the cache holds up to `budget + chunk`
+entries, so its perplexity is a little lower than `exact`'s at the same budget (the gap shrinks as
+chunk / budget does).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Perplexity(Task):
 
     name = "perplexity"
     higher_is_better = False
+    scenario = "streaming"
     shares_prefill = False
     corpus: str = "embedded"  # `embedded`, a text file, a folder of .txt files, `hf:pg19`, `hf:wikitext`
     mode: Literal["exact", "chunked"] = "chunked"

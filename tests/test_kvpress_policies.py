@@ -270,7 +270,8 @@ def test_criticalkv_keeps_the_first_stage_then_the_output_weighted_best(sharp_ll
 def test_criticalkv_takes_its_bases_phases_and_refuses_a_base_without_scores():
     assert build_policy("criticalkv", {"base": "h2o"}).evicts_during_decode
     assert not build_policy("criticalkv").evicts_during_decode
-    with pytest.raises(KvbenchError, match="must score entries"):
-        build_policy("criticalkv", {"base": "full"})
+    for base in ("full", "kvzip", "ada_kv"):  # nothing to score, or a base that picks its kept set itself
+        with pytest.raises(KvbenchError, match=f"base '{base}' must score entries"):
+            build_policy("criticalkv", {"base": base})
     with pytest.raises(KvbenchError, match="first_stage_ratio"):
         build_policy("criticalkv", {"first_stage_ratio": 1.5})
