@@ -29,6 +29,15 @@ class ModelConfig(Strict):
     device: str = "auto"
     device_map: str | None = None
 
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, dtype: str) -> str:
+        return _checked_dtype(dtype)
+
+    def identity(self) -> dict[str, str]:
+        """What of the model changes results, as cells describe it: its id and dtype (not where it runs)."""
+        return {"id": self.id, "dtype": self.dtype}
+
 
 class PrefillConfig(Strict):
     mode: Literal["full", "chunked"] = "full"
@@ -86,9 +95,24 @@ def _named(value: Any) -> Any:
     return {"name": value} if isinstance(value, str) else value
 
 
+def _model_spec(value: Any) -> Any:
+    return {"id": value} if isinstance(value, str) else value
+
+
+def _checked_dtype(dtype: str) -> str:
+    from kvbench.models import DTYPES
+
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"unknown dtype '{dtype}' (use auto, {', '.join(DTYPES)})")
+    return dtype
+
+
 class SweepConfig(Strict):
     name: str
     model: ModelConfig = ModelConfig()
+    # robustness axes: several models (each loaded once, swept in turn) instead of `model`, and dtypes crossing them
+    models: list[ModelConfig] | None = Field(None, min_length=1)
+    dtypes: list[str] | None = Field(None, min_length=1)
     policies: list[PolicySpec] = Field(min_length=1)
     budgets: list[int | float] = Field(min_length=1)
     context_lengths: list[int] = Field(min_length=1)
@@ -107,10 +131,50 @@ class SweepConfig(Strict):
     memory_limit: str | None = None
     output: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _model_or_models(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "model" in value and "models" in value:
+            raise _Located(("models",), "give 'model' or 'models', not both")
+        return value
+
     @field_validator("model", mode="before")
     @classmethod
     def _model_id(cls, value: Any) -> Any:
-        return {"id": value} if isinstance(value, str) else value
+        return _model_spec(value)
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _model_ids(cls, value: Any) -> Any:
+        return [_model_spec(item) for item in value] if isinstance(value, list) else value
+
+    @field_validator("dtypes")
+    @classmethod
+    def _dtypes(cls, dtypes: list[str] | None) -> list[str] | None:
+        for dtype in dtypes or []:
+            _checked_dtype(dtype)
+        return dtypes
+
+    @model_validator(mode="after")
+    def _one_dtype_source(self) -> SweepConfig:
+        """`dtypes` crosses every model, so a model's own dtype would be silently overridden: refuse it."""
+        if self.dtypes:
+            named = [(("models", i, "dtype"), m) for i, m in enumerate(self.models)] if self.models else \
+                [(("model", "dtype"), self.model)]
+            for loc, model in named:
+                if model.dtype != "auto":
+                    raise _Located(loc, f"dtype '{model.dtype}' conflicts with 'dtypes' (which crosses every "
+                                        "model): give one or the other")
+        return self
+
+    def model_grid(self) -> list[ModelConfig]:
+        """Every (model, dtype) the sweep runs, in config order: `models` (or the one `model`) x `dtypes`."""
+        grid: dict[tuple[str, str], ModelConfig] = {}
+        for model in self.models or [self.model]:
+            for dtype in self.dtypes or [model.dtype]:
+                variant = model.model_copy(update={"dtype": dtype})
+                grid.setdefault((variant.id, variant.dtype), variant)  # listed twice: runs once
+        return list(grid.values())
 
     @field_validator("policies", "tasks", mode="before")
     @classmethod
@@ -181,9 +245,13 @@ class SweepConfig(Strict):
 
     def result_hash(self) -> str:
         """Identifies everything that changes results (not where they are written or on which device)."""
-        relevant = self.model_dump(exclude={"output", "name"})
-        relevant["model"].pop("device")
-        relevant["model"].pop("device_map")
+        relevant = self.model_dump(exclude={"output", "name", "model", "models", "dtypes"})
+        grid = [model.identity() for model in self.model_grid()]
+        # one model hashes as `model:` did before `models:`/`dtypes:` existed, so its baselines stay valid
+        if len(grid) == 1:
+            relevant["model"] = grid[0]
+        else:
+            relevant["models"] = grid
         # options added later count only when set, so older configs keep their hash (and their baselines)
         for task in relevant["tasks"]:
             if task["samples"] is None:
@@ -283,9 +351,12 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 def _assign(tree: Any, keys: list[str], value: Any) -> None:
     """Set `value` at a dotted path; numeric parts index lists (`policies.0=window`)."""
     *parents, last = keys
-    for key in parents:
+    for depth, key in enumerate(parents):
         if isinstance(tree, list):
-            tree = tree[_index(tree, key)]
+            index = _index(tree, key)
+            if isinstance(tree[index], str):  # a bare model id or name takes sub-keys in its mapping form
+                tree[index] = _model_spec(tree[index]) if keys[depth - 1] == "models" else _named(tree[index])
+            tree = tree[index]
             continue
         node = tree.setdefault(key, {})
         if not isinstance(node, (dict, list)):

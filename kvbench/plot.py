@@ -15,7 +15,7 @@ import pandas as pd
 
 from kvbench.errors import KvbenchError
 from kvbench.results import RunFolder
-from kvbench.summary import param_text, summarize, task_key, task_labels
+from kvbench.summary import model_facets, param_text, summarize, task_key, task_labels
 
 # Okabe-Ito, then Paul Tol's muted set: distinguishable with every common colour-vision deficiency; each
 # built-in policy has its own, a plugin's is picked by its name
@@ -66,7 +66,8 @@ def _budget_key(budget: str) -> tuple[int, float]:
 
 
 def figures(run: str | Path, style: str = "default", log_x: bool = False) -> dict[str, Any]:
-    """Name -> matplotlib Figure for every plot the run's data supports."""
+    """Name -> matplotlib Figure for every plot the run's data supports; a run over several models or dtypes
+    gets each figure once per (model, dtype), named `<figure> <model> (<dtype>)` and titled so."""
     plt = _pyplot()
     if style not in STYLES:
         raise KvbenchError(f"unknown style '{style}' (use {', '.join(STYLES)})")
@@ -77,33 +78,49 @@ def figures(run: str | Path, style: str = "default", log_x: bool = False) -> dic
     labels = task_labels([r["cell"]["task"] for r in records])
     for record in records:
         record["task_label"] = labels[task_key(record["cell"]["task"])]
+    # every figure is handed back open (a set per model and dtype of a grid): matplotlib's count warning is moot
+    with plt.rc_context({**STYLES[style], "figure.max_open_warning": 0}):
+        facets = model_facets(frame)
+        if len(facets) == 1:  # one model: the figures as they always were
+            return _figures(plt, frame, records, style, log_x)
+        out: dict[str, Any] = {}
+        for facet, rows in facets:
+            cells = set(rows["cell_id"])
+            for name, figure in _figures(plt, rows, [r for r in records if r["cell_id"] in cells], style,
+                                         log_x).items():
+                figure.suptitle(facet, y=1.02)
+                out[f"{name} {facet}"] = figure
+        return out
+
+
+def _figures(plt, frame: pd.DataFrame, records: list[dict[str, Any]], style: str, log_x: bool) -> dict[str, Any]:
+    """The figures of one model's summary rows and records."""
     out: dict[str, Any] = {}
-    with plt.rc_context(STYLES[style]):
-        for task, rows in frame.groupby("task", sort=False):
-            out[f"score_vs_ratio_{task}"] = _score_curves(
-                plt, rows, "cache_ratio", "cache ratio (kept / full KV bytes)", style, log_x)
-            out[f"score_vs_bytes_{task}"] = _score_curves(plt, rows, "kv_bytes_live", "KV cache held (MiB)", style,
-                                                          log_x, scale=2**-20)
-            depth_records = [r for r in records if r["task_label"] == task and "depth" in r.get("meta", {})]
-            if depth_records:
-                out[f"needle_heatmaps_{task}"] = _needle_heatmaps(plt, depth_records, style)
-            nll_records = [r for r in records if r["task_label"] == task and r.get("nll_by_position")]
-            if nll_records:
-                out[f"nll_vs_position_{task}"] = _nll_curves(plt, nll_records, style)
-            if "kl_mean" in rows and rows["kl_mean"].notna().any():  # fidelity to the full cache
-                out[f"kl_vs_ratio_{task}"] = _score_curves(plt, rows, "cache_ratio", "cache ratio (kept / full KV "
-                                                           "bytes)", style, log_x, y="kl_mean",
-                                                           ylabel="KL(full || policy), nats per step")
-                out[f"recall_vs_ratio_{task}"] = _score_curves(plt, rows, "cache_ratio", "cache ratio (kept / full "
-                                                               "KV bytes)", style, log_x, y="attn_recall",
-                                                               ylabel="attention recall (full's mass kept)")
-                fidelity = [r for r in records if r["task_label"] == task and r.get("kl_by_position")]
-                out[f"kl_vs_position_{task}"] = _nll_curves(plt, fidelity, style, "kl_by_position",
-                                                            "KL(full || policy), smoothed", "generated token")
-                out[f"recall_by_layer_{task}"] = _recall_by_layer(plt, fidelity, style)
-        out["memory_vs_context"] = _memory(plt, frame, style)
-        out["speed_vs_budget"] = _speed(plt, frame, style)
-        out["pareto"] = _pareto(plt, frame, style)
+    for task, rows in frame.groupby("task", sort=False):
+        out[f"score_vs_ratio_{task}"] = _score_curves(
+            plt, rows, "cache_ratio", "cache ratio (kept / full KV bytes)", style, log_x)
+        out[f"score_vs_bytes_{task}"] = _score_curves(plt, rows, "kv_bytes_live", "KV cache held (MiB)", style,
+                                                      log_x, scale=2**-20)
+        depth_records = [r for r in records if r["task_label"] == task and "depth" in r.get("meta", {})]
+        if depth_records:
+            out[f"needle_heatmaps_{task}"] = _needle_heatmaps(plt, depth_records, style)
+        nll_records = [r for r in records if r["task_label"] == task and r.get("nll_by_position")]
+        if nll_records:
+            out[f"nll_vs_position_{task}"] = _nll_curves(plt, nll_records, style)
+        if "kl_mean" in rows and rows["kl_mean"].notna().any():  # fidelity to the full cache
+            out[f"kl_vs_ratio_{task}"] = _score_curves(plt, rows, "cache_ratio", "cache ratio (kept / full KV "
+                                                       "bytes)", style, log_x, y="kl_mean",
+                                                       ylabel="KL(full || policy), nats per step")
+            out[f"recall_vs_ratio_{task}"] = _score_curves(plt, rows, "cache_ratio", "cache ratio (kept / full "
+                                                           "KV bytes)", style, log_x, y="attn_recall",
+                                                           ylabel="attention recall (full's mass kept)")
+            fidelity = [r for r in records if r["task_label"] == task and r.get("kl_by_position")]
+            out[f"kl_vs_position_{task}"] = _nll_curves(plt, fidelity, style, "kl_by_position",
+                                                        "KL(full || policy), smoothed", "generated token")
+            out[f"recall_by_layer_{task}"] = _recall_by_layer(plt, fidelity, style)
+    out["memory_vs_context"] = _memory(plt, frame, style)
+    out["speed_vs_budget"] = _speed(plt, frame, style)
+    out["pareto"] = _pareto(plt, frame, style)
     return out
 
 

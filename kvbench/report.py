@@ -12,9 +12,9 @@ from typing import Any
 import pandas as pd
 
 from kvbench.results import RunFolder
-from kvbench.summary import summarize
+from kvbench.summary import MODEL_AXES, model_facets, summarize
 
-GROUP = ["task", "context_length", "question", "prefill"]
+GROUP = [*MODEL_AXES, "task", "context_length", "question", "prefill"]
 
 
 def recommend(frame: pd.DataFrame, max_drop: float, max_kl: float | None = None) -> pd.DataFrame:
@@ -29,8 +29,7 @@ def recommend(frame: pd.DataFrame, max_drop: float, max_kl: float | None = None)
             rows.append({**row, "policy": None, "note": "no full cell to compare with"})
             continue
         higher = bool(group["higher_is_better"].all())
-        # the worst end of the change's CI, in points of improvement (see gate.improvement)
-        worst = group["delta_ci_low"] * 100 if higher else -group["delta_ci_high"] / full.iloc[0]["score"] * 100
+        worst = worst_change(group, full.iloc[0]["score"])
         ok = group[(group["policy"] != "full") & (worst >= -max_drop)]
         if max_kl is not None:
             ok = ok[ok["kl_mean"] <= max_kl] if "kl_mean" in ok else ok.iloc[0:0]
@@ -48,6 +47,72 @@ def recommend(frame: pd.DataFrame, max_drop: float, max_kl: float | None = None)
             "note": "",
         })
     return pd.DataFrame(rows)
+
+
+def worst_change(cells: pd.DataFrame, full_score: float) -> pd.Series:
+    """Each cell's paired change against `full` at the worst end of its 95% CI, in points of improvement (a
+    fraction's points, or percent of full's perplexity where lower is better; see gate.improvement)."""
+    higher = cells["higher_is_better"].astype(bool)
+    return (cells["delta_ci_low"] * 100).where(higher, -cells["delta_ci_high"] / full_score * 100)
+
+
+SETTING = ["policy", "params", "budget"]
+
+
+def scenario_advice(frame: pd.DataFrame, max_drop: float) -> pd.DataFrame:
+    """Per scenario (the workload its tasks stand for, see Task.scenario): the policy setting (policy, params,
+    budget) with the smallest mean cache ratio whose paired change against `full` stays within `max_drop` points
+    at the low end of its 95% CI on *every* task, length and question placement of the scenario; what it scores
+    there against full, its worst change, and the bytes it keeps. Settings that failed anywhere do not qualify."""
+    if "scenario" not in frame:
+        return pd.DataFrame()
+    rows = []
+    for scenario, part in frame[frame["scenario"].notna()].groupby("scenario", sort=False):
+        row: dict[str, Any] = {"scenario": scenario, "tasks": ", ".join(sorted(part["task"].unique()))}
+        fulls = part[(part["policy"] == "full") & part["score"].notna()]
+        groups = {key: full for key, full in fulls.groupby(GROUP, sort=False)}
+        if not groups:
+            rows.append({**row, "policy": None, "note": "no full cell to compare with"})
+            continue
+        candidates = []
+        for setting, cells in part[part["policy"] != "full"].groupby(SETTING, sort=False, dropna=False):
+            cells = cells.set_index(GROUP)
+            if not all(key in cells.index and pd.notna(cells.loc[[key]]["score"]).all() for key in groups):
+                continue
+            worst = min(float(worst_change(cells.loc[[key]], groups[key].iloc[0]["score"]).min()) for key in groups)
+            candidates.append((setting, worst, cells.loc[list(groups)]))
+        passing = [c for c in candidates if c[1] >= -max_drop]
+        if not passing:
+            best = max(candidates, key=lambda c: c[1], default=None)
+            note = f"none within {max_drop:g} points" + (
+                "" if best is None else f"; closest: {_setting(best[0])} ({best[1]:+.1f})")
+            rows.append({**row, "policy": None, "note": note})
+            continue
+        setting, worst, cells = min(passing, key=lambda c: (c[2]["cache_ratio"].mean(), -c[1]))
+        rows.append({**row, **dict(zip(SETTING, setting, strict=True)), "cache_ratio": cells["cache_ratio"].mean(),
+                     "score": cells["score"].mean(), "full_score": fulls["score"].mean(), "worst_change": worst,
+                     "note": ""})
+    return pd.DataFrame(rows)
+
+
+def advice_lines(advice: pd.DataFrame, max_drop: float) -> list[str]:
+    """The per-scenario recommendation as sentences (the report opens with them)."""
+    lines = []
+    for row in advice.to_dict("records"):
+        head = f"{row['scenario']} ({row['tasks']})"
+        if row.get("policy") is None or pd.isna(row.get("policy")):
+            lines.append(f"{head}: {row['note']}; keep the full cache.")
+            continue
+        lines.append(f"{head}: {_setting((row['policy'], row['params'], row['budget']))} scores {row['score']:.3g} "
+                     f"where full scores {row['full_score']:.3g} (worst paired change {row['worst_change']:+.1f} "
+                     f"points at the CI's low end, within {max_drop:g}) in {row['cache_ratio']:.2f} of the KV bytes.")
+    return lines
+
+
+def _setting(setting: tuple[str, str, str]) -> str:
+    """`snapkv(window=32) at 0.25` (summary rows hold params as text and budget as text, "-" for none)."""
+    policy, params, budget = setting
+    return f"{policy}{f'({params})' if params else ''}{'' if budget == '-' else f' at {budget}'}"
 
 
 def latex(frame: pd.DataFrame) -> str:
@@ -71,9 +136,11 @@ def latex(frame: pd.DataFrame) -> str:
                 cells.append(rf"\textbf{{{text}}}" if column in best and value == best[column] else text)
             name = _tex(row["policy"] + (f" ({row['params']})" if row["params"] else ""))
             lines.append(f"{name} & {_tex(row['budget'])} & " + " & ".join(cells) + r" \\")
-        task, length, question, prefill = key
+        model, dtype, task, length, question, prefill = key
+        several = frame[MODEL_AXES].drop_duplicates().shape[0] > 1  # name the model only when the run has several
+        where = f"{_tex(model)} ({dtype}), " if several else ""
         lines += [r"\bottomrule", r"\end{tabular}",
-                  rf"\caption{{{_tex(task)}, {length} tokens, question {question}, prefill {prefill}.}}",
+                  rf"\caption{{{where}{_tex(task)}, {length} tokens, question {question}, prefill {prefill}.}}",
                   r"\end{table}", ""]
         out.append("\n".join(lines))
     return "\n".join(out)
@@ -125,8 +192,10 @@ def html_report(run: str | Path, max_drop: float = 2.0) -> Path:
         figure.savefig(buffer, format="png", bbox_inches="tight")
         plt.close(figure)
         images.append((name, base64.b64encode(buffer.getvalue()).decode()))
-    env, model = manifest.get("environment", {}), manifest.get("model", {})
-    facts = {"run": manifest.get("name"), "model": model.get("spec"), "architecture": model.get("architecture"),
+    env, models = manifest.get("environment", {}), manifest.get("models") or [manifest.get("model", {})]
+    model = models[0]
+    facts = {"run": manifest.get("name"), "model": ", ".join(str(m.get("spec")) for m in models),
+             "architecture": model.get("architecture"),
              "layers / KV heads / head dim": "{} / {} / {}".format(*(model.get(k) for k in ("layers", "kv_heads",
                                                                                          "head_dim"))),
              "dtype": model.get("dtype"), "device": f"{env.get('device')} ({env.get('device_name')})",
@@ -143,6 +212,7 @@ def html_report(run: str | Path, max_drop: float = 2.0) -> Path:
         "th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}img{max-width:100%;"
         "border:1px solid #eee;margin:0.5em 0}code{background:#f5f5f5}</style></head><body>",
         f"<h1>kvbench report: {html.escape(str(manifest.get('name', run.name)))}</h1>",
+        *_advice_section(frame, max_drop),
         "<h2>Run</h2>", _table(pd.DataFrame(list(facts.items()), columns=["", ""])),
         f"<h2>Recommendation (max drop {max_drop:g} points, CI low end)</h2>",
         _table(recommend(frame, max_drop).fillna({"policy": "-"})),
@@ -158,6 +228,15 @@ def html_report(run: str | Path, max_drop: float = 2.0) -> Path:
     path = run / "report.html"
     path.write_text("\n".join(parts), encoding="utf-8")
     return path
+
+
+def _advice_section(frame: pd.DataFrame, max_drop: float) -> list[str]:
+    lines = [f"{label}: {line}" if label else line for label, part in model_facets(frame)
+             for line in advice_lines(scenario_advice(part, max_drop), max_drop)]
+    if not lines:
+        return []
+    return [f"<h2>What to run, by scenario (max drop {max_drop:g} points on every task of the scenario)</h2><ul>",
+            *(f"<li>{html.escape(line)}</li>" for line in lines), "</ul>"]
 
 
 def _table(frame: pd.DataFrame) -> str:

@@ -88,6 +88,16 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+def union_models(*described: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each model's `describe()` once per spec and dtype (the latest wins), in the order first seen: the
+    manifest's `models` across resumes and shards."""
+    union: dict[tuple[str, str], dict[str, Any]] = {}
+    for models in described:
+        for model in models:
+            union[model["spec"], model["dtype"]] = model
+    return list(union.values())
+
+
 def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -124,9 +134,10 @@ class RunFolder:
                 f"{manifest['config_hash']}); use a new --output folder, or --force to reuse the cells both share"
             )
         self.path.mkdir(parents=True, exist_ok=True)
-        if previous:
+        if previous:  # a resume keeps when it began, and the models that ran before (they may not load again)
             manifest = {**manifest, "started": previous.get("started", manifest["started"]),
-                        "resumed": [*previous.get("resumed", []), manifest["started"]]}
+                        "resumed": [*previous.get("resumed", []), manifest["started"]],
+                        "models": union_models(previous.get("models", []), manifest.get("models", []))}
         self.write_manifest(manifest)
         read_jsonl(self.records_path, repair=True)
         read_jsonl(self.cells_path, repair=True)
@@ -173,6 +184,7 @@ def merge_runs(output: str | Path, shards: list[str]) -> None:
     target = RunFolder(output)
     merged = {**manifests[0], "shard": None, "merged_from": [str(f.path) for f in folders],
               "cells": sorted({cell for m in manifests for cell in m["cells"]}),
+              "models": union_models(*(m.get("models", []) for m in manifests)),
               "cell_descriptions": {k: v for m in manifests for k, v in m.get("cell_descriptions", {}).items()}}
     target.open(merged, force=False)
     seen = target.done()

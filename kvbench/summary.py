@@ -22,6 +22,26 @@ MEASURES = ["cache_ratio", "kv_bytes_live", "kv_bytes_peak", "ttft_s", "tpot_s",
 FIDELITY = ["kl_mean", "kl_max", "top1_agreement", "attn_recall", "first_divergence"]
 # cells that share these see the same samples, so their scores pair up by sample id
 PAIRING = ["model", "task", "context_length", "question", "prefill", "samples", "seed"]
+# the robustness axes (`models:`, `dtypes:`): a run with several splits its tables, figures and recommendations
+MODEL_AXES = ["model", "dtype"]
+
+
+def _model_axes(cell: dict[str, Any]) -> tuple[str, str]:
+    """A cell description's (model id, dtype); "" where a hand-made description leaves one out."""
+    model = cell.get("model") or {}
+    return (model.get("id", ""), model.get("dtype", "")) if isinstance(model, dict) else (str(model), "")
+
+
+def _model_label(model: str, dtype: str) -> str:
+    return f"{model} ({dtype})" if dtype else model
+
+
+def model_facets(frame: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """The summary's rows per (model, dtype), each with its label (`random:tiny-llama (bfloat16)`): what tables,
+    figures and recommendations split by. One part labelled "" when the run has one, so its output reads as before."""
+    if len(frame[MODEL_AXES].drop_duplicates()) <= 1:
+        return [("", frame)]
+    return [(_model_label(*axes), rows) for axes, rows in frame.groupby(MODEL_AXES, sort=False)]
 
 
 def task_labels(tasks: list[dict[str, Any]]) -> dict[str, str]:
@@ -75,9 +95,8 @@ def summarize(run: str | Path, write: bool = True) -> pd.DataFrame:
     labels = task_labels([json.loads(key) for key in frame["_task"]])
     frame["task"] = frame.pop("_task").map(labels)
     _paired_deltas(frame, records)
-    frame = frame.sort_values(["task", "context_length", "question", "prefill", "policy", "budget_order", "params",
-                               "memory"],
-                              kind="stable").drop(columns=["budget_order"]).reset_index(drop=True)
+    frame = frame.sort_values([*MODEL_AXES, "task", "context_length", "question", "prefill", "policy", "budget_order",
+                               "params", "memory"], kind="stable").drop(columns=["budget_order"]).reset_index(drop=True)
     if write:
         path = Path(run)
         frame.drop(columns=["_scores"]).to_csv(path / "summary.csv", index=False)
@@ -126,8 +145,11 @@ def _row(cell_id: str, records: list[dict[str, Any]], status: dict[str, Any] | N
     values = np.array(list(scores.values()), dtype=float)
     low, high = bootstrap_ci(values)
     budget = cell["budget"]
+    model, dtype = _model_axes(cell)
     row = {
         "cell_id": cell_id,
+        "model": model,
+        "dtype": dtype,
         "_task": task_key(cell["task"]),
         "context_length": cell["context_length"],
         "question": cell["question"],
@@ -142,6 +164,7 @@ def _row(cell_id: str, records: list[dict[str, Any]], status: dict[str, Any] | N
         "status": status["status"] if status else "partial",
         # perplexity: lower is better; every other task's score: a fraction where higher is better
         "higher_is_better": records[0].get("higher_is_better", True) if records else True,
+        "scenario": records[0].get("scenario") if records else None,  # the workload, for the report's advice
         "n": len(values),
         "score": values.mean() if len(values) else float("nan"),
         "score_ci_low": low,
@@ -213,18 +236,31 @@ def _paired_deltas(frame: pd.DataFrame, records: list[dict[str, Any]]) -> None:
 
 
 def markdown(frame: pd.DataFrame, manifest: dict[str, Any]) -> str:
-    """Readable tables, one per (task, context length, question placement, prefill mode)."""
+    """Readable tables, one per (task, context length, question placement, prefill mode), and per model and dtype
+    when the run has several."""
     env = manifest.get("environment", {})
+    facets = model_facets(frame)
+    if len(facets) > 1:
+        models = f"models {', '.join(f'`{label}`' for label, _ in facets)}"
+    else:  # the records' model: a one-item `models:` leaves the config's `model` at its default
+        models = f"model `{frame['model'].iloc[0] or manifest.get('config', {}).get('model', {}).get('id', '?')}`"
     lines = [f"# {manifest.get('name', 'run')}", "",
-             f"model `{manifest.get('config', {}).get('model', {}).get('id', '?')}` on {env.get('device', '?')} "
+             f"{models} on {env.get('device', '?')} "
              f"({env.get('device_name', '')}), kvbench {env.get('kvbench', '?')}, torch {env.get('torch', '?')}, "
              f"transformers {env.get('transformers', '?')}; score = mean over samples [95% bootstrap CI]; "
              "delta = paired change vs `full` on the same samples.", ""]
+    for facet, rows in facets:
+        lines += _markdown_tables(rows, f"{facet}: " if facet else "")
+    return "\n".join(lines)
+
+
+def _markdown_tables(frame: pd.DataFrame, heading: str) -> list[str]:
+    lines = []
     for (task, length, question, prefill), group in frame.groupby(
             ["task", "context_length", "question", "prefill"], sort=False):
         direction = "" if group["higher_is_better"].all() else " (score: lower is better)"
         pressure = (group["memory"] != "-").any()  # memory-pressure cells: say under which condition
-        lines += [f"## {task}, {length} tokens, question {question}, prefill {prefill}{direction}", "",
+        lines += [f"## {heading}{task}, {length} tokens, question {question}, prefill {prefill}{direction}", "",
                   "| policy | params | budget |" + (" memory |" if pressure else "") + " n | score | delta vs full | "
                   "cache ratio | kv peak MiB | ttft s | tpot ms | status |",
                   "|---|---|---|" + ("---|" if pressure else "") + "---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -239,7 +275,7 @@ def markdown(frame: pd.DataFrame, manifest: dict[str, Any]) -> str:
                 f"{_num(r['cache_ratio'], '.3f')} | {_num(r['kv_bytes_peak'] / 2**20, '.1f')} | "
                 f"{_num(r['ttft_s'], '.2f')} | {_num(r['tpot_s'] * 1000, '.0f')} | {r['status']} |")
         lines.append("")
-    return "\n".join(lines)
+    return lines
 
 
 def _num(value: float, spec: str) -> str:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import hashlib
+import itertools
 import json
 import signal
 import time
@@ -24,9 +26,9 @@ from kvbench.config import SweepConfig
 from kvbench.errors import KvbenchError
 from kvbench.estimate import parse_bytes
 from kvbench.measure import memory_pressure, tracing
-from kvbench.models import LoadedModel
+from kvbench.models import LoadedModel, load_model
 from kvbench.policies import POLICIES, Policy
-from kvbench.results import RunFolder, environment, now
+from kvbench.results import RunFolder, environment, now, union_models
 from kvbench.runner import compressed_prompt, evaluate, repeat_timed
 from kvbench.session import RunSettings, SharedPrefill, shared_prefill
 from kvbench.tasks import TASKS, Sample, Task
@@ -44,10 +46,16 @@ class Cell:
         return hashlib.sha256(canonical.encode()).hexdigest()[:12]
 
     @property
-    def group(self) -> tuple[str, int, str]:
-        """Cells of one group see the same samples, so they can share the prompt's forward."""
+    def model(self) -> tuple[str, str]:
+        """The (model id, dtype) the cell runs on: cells of one share a loaded model."""
+        return self.description["model"]["id"], self.description["model"]["dtype"]
+
+    @property
+    def group(self) -> tuple[tuple[str, str], str, int, str]:
+        """Cells of one group see the same samples (tokenized by the same model), so they can share the prompt's
+        forward."""
         d = self.description
-        return json.dumps(d["task"], sort_keys=True), d["context_length"], d["question"]
+        return self.model, json.dumps(d["task"], sort_keys=True), d["context_length"], d["question"]
 
     def policy(self) -> Policy:
         return POLICIES.build(self.description["policy"]["name"], self.description["policy"]["params"])
@@ -67,17 +75,17 @@ class Cell:
 
 
 def expand(config: SweepConfig) -> list[Cell]:
-    """The grid: tasks x context lengths x question placements x policies x budgets (once for a policy that
-    keeps every token)."""
+    """The grid: models x dtypes x tasks x context lengths x question placements x policies x budgets (once for a
+    policy that keeps every token)."""
     cells = []
-    for task in config.tasks:
+    for model, task in itertools.product(config.model_grid(), config.tasks):
         for length in config.context_lengths:
             for question in config.question:
                 for policy in config.policies:
                     keeps_all = not POLICIES.get(policy.name).phases  # full, or a compression that drops nothing
                     for budget in [None] if keeps_all else policy.budgets or config.budgets:
                         cells.append(Cell({
-                            "model": {"id": config.model.id, "dtype": config.model.dtype},
+                            "model": model.identity(),
                             "task": task.canonical(),
                             "policy": policy.canonical(),
                             "budget": budget,
@@ -129,7 +137,11 @@ class Progress:
     cells_done: int = 0
     samples_done: int = 0
     current: str = ""
+    model: str = ""  # the model and dtype running, when the grid has several
     log: list[str] = field(default_factory=list)
+
+    def log_failure(self, cell: Cell, message: str) -> None:
+        self.log.append(f"{self.model}: {cell.label}: {message}" if self.model else f"{cell.label}: {message}")
 
 
 class Interrupt:
@@ -151,7 +163,44 @@ class Interrupt:
         signal.signal(signal.SIGINT, self._previous)
 
 
+class ModelLoader:
+    """The grid's models, one in memory at a time: loading another frees the one held first, so a sweep over a
+    7B and a 13B model never holds both."""
+
+    def __init__(self, config: SweepConfig) -> None:
+        self._configs = {(model.id, model.dtype): model for model in config.model_grid()}
+        self._seed = config.seed
+        self._held: tuple[tuple[str, str], LoadedModel] | None = None
+
+    def load(self, model: tuple[str, str]) -> LoadedModel:
+        """The (model id, dtype) of a cell, loaded once for as long as it stays held."""
+        if self._held is None or self._held[0] != model:
+            self.free()
+            spec = self._configs[model]
+            self._held = model, load_model(spec.id, dtype=spec.dtype, device=spec.device,
+                                           device_map=spec.device_map, seed=self._seed)
+        return self._held[1]
+
+    @property
+    def held(self) -> LoadedModel:
+        """The model in memory now (one was loaded first); keep no reference to it, so `free` can release it."""
+        assert self._held is not None, "no model loaded"
+        return self._held[1]
+
+    def free(self) -> None:
+        """Drop the held model and give its memory back (the caller holds no reference of its own)."""
+        if self._held is None:
+            return
+        on_cuda = self._held[1].device.type == "cuda"
+        self._held = None
+        gc.collect()  # the model's modules reference each other: reference counting alone frees nothing
+        if on_cuda:
+            torch.cuda.empty_cache()
+
+
 def manifest(config: SweepConfig, cells: list[Cell], lm: LoadedModel, shard_spec: str | None) -> dict[str, Any]:
+    """The run's provenance; `lm` is the first model loaded (`run_sweep` adds every other to `models`)."""
+    described = lm.describe()
     return {
         "name": config.name,
         "config": config.model_dump(),
@@ -159,7 +208,9 @@ def manifest(config: SweepConfig, cells: list[Cell], lm: LoadedModel, shard_spec
         "shard": shard_spec,
         "cells": [cell.id for cell in cells],
         "cell_descriptions": {cell.id: cell.description for cell in cells},
-        "model": lm.describe(),
+        # `model` as before when the grid has one; `models` lists every one that ran
+        **({"model": described} if len(config.model_grid()) == 1 else {}),
+        "models": [described],
         "environment": environment(lm.device),
         "seed": config.seed,
         "started": now(),
@@ -180,23 +231,50 @@ def finished_cells(folder: RunFolder, retry_failed: bool) -> set[str]:
     return {cid for cid, status in folder.cells().items() if status["status"] == "ok" or not retry_failed}
 
 
-def run_sweep(lm: LoadedModel, folder: RunFolder, cells: list[Cell], progress: Progress, share: bool = True,
+def run_sweep(models: ModelLoader, folder: RunFolder, cells: list[Cell], progress: Progress, share: bool = True,
               retry_failed: bool = False, trace: bool = False) -> bool:
-    """Run every unfinished (cell, sample) into `folder`; True if it completed, False if interrupted."""
+    """Run every unfinished (cell, sample) into `folder`, one model at a time: each (model, dtype) with cells left
+    loads once, runs them and is freed before the next loads. True if it completed, False if interrupted."""
     done = folder.done()
     finished = finished_cells(folder, retry_failed)
     pending = [cell for cell in cells if cell.id not in finished]
     progress.cells_done = len(cells) - len(pending)
     progress.samples_done = sum(1 for cell_id, _ in done if cell_id in {c.id for c in cells})
     progress.update(progress)
-    groups: dict[tuple, list[Cell]] = {}
+    by_model: dict[tuple[str, str], list[Cell]] = {}
     for cell in pending:
-        groups.setdefault(cell.group, []).append(cell)
+        by_model.setdefault(cell.model, []).append(cell)
+    several = len({cell.model for cell in cells}) > 1
     with Interrupt() as interrupt:
-        for group in groups.values():
-            if not _run_group(lm, folder, group, done, progress, share, interrupt, trace):
+        for model, model_cells in by_model.items():
+            progress.model = " ".join(model) if several else ""
+            completed = _run_model(models, folder, model_cells, done, progress, share, interrupt, trace)
+            models.free()
+            if not completed:
                 return False
     return True
+
+
+def _run_model(models: ModelLoader, folder: RunFolder, cells: list[Cell], done: set[tuple[str, str]],
+               progress: Progress, share: bool, interrupt: Interrupt, trace: bool) -> bool:
+    """One model's cells, sample group by sample group; a model that fails to load fails each of its cells."""
+    failed: dict[str, dict[str, Any]] = {}
+    try:
+        lm = models.load(cells[0].model)
+    except Exception as exc:  # a missing model, or one too large for the device: the other models still run
+        for cell in cells:
+            _fail(folder, progress, failed, cell, exc)
+    if failed:
+        _release_cached_memory()  # after the failed load's tensors went with its traceback
+        progress.update(progress)
+        return True
+    current = folder.manifest()
+    folder.write_manifest({**current, "models": union_models(current.get("models", []), [lm.describe()])})
+    groups: dict[tuple, list[Cell]] = {}
+    for cell in cells:
+        groups.setdefault(cell.group, []).append(cell)
+    # stops at the first group an interrupt cut short
+    return all(_run_group(lm, folder, group, done, progress, share, interrupt, trace) for group in groups.values())
 
 
 def _run_group(lm: LoadedModel, folder: RunFolder, cells: list[Cell], done: set[tuple[str, str]],
@@ -210,7 +288,7 @@ def _run_group(lm: LoadedModel, folder: RunFolder, cells: list[Cell], done: set[
         for cell in cells:
             folder.add_cell(_failure(cell, exc))
             progress.cells_done += 1
-        progress.log.append(f"{cells[0].label}: {exc}")
+        progress.log_failure(cells[0], str(exc))
         return True
     started = {cell.id: time.perf_counter() for cell in cells}
     for sample in samples:
@@ -244,7 +322,9 @@ def _run_group(lm: LoadedModel, folder: RunFolder, cells: list[Cell], done: set[
             if cell.id in failed:
                 _release_cached_memory()  # now that the failed cell's tensors went with its traceback
                 continue
-            folder.add_record({"cell_id": cell.id, "cell": cell.description, **record})
+            # the dtype the weights ran in (`auto` resolved), beside the record's `model`
+            folder.add_record({"cell_id": cell.id, "cell": cell.description, **record,
+                               "dtype": str(lm.dtype).removeprefix("torch.")})
             if trace:
                 folder.add_trace(cell.id, sample.id, traces)
             progress.samples_done += 1
@@ -277,7 +357,7 @@ def _fail(folder: RunFolder, progress: Progress, failed: dict[str, dict[str, Any
           exc: Exception) -> None:
     failed[cell.id] = _failure(cell, exc)
     folder.add_cell(failed[cell.id])
-    progress.log.append(f"{cell.label}: {failed[cell.id]['status']}: {failed[cell.id]['message']}")
+    progress.log_failure(cell, f"{failed[cell.id]['status']}: {failed[cell.id]['message']}")
     progress.cells_done += 1
 
 
@@ -308,8 +388,8 @@ def _failure(cell: Cell, exc: Exception) -> dict[str, Any]:
 
 
 def estimate_seconds(cells: list[Cell], parameters: int, device: torch.device, share: bool) -> float:
-    """A rough wall-time guess from model size: a prompt token costs 2 x parameters FLOPs at an assumed
-    throughput (1.2e11 FLOP/s on 2 CPU cores: the ~450 prompt tokens/s measured for 135M parameters);
+    """A rough wall-time guess for one model's cells from its size: a prompt token costs 2 x parameters FLOPs at an
+    assumed throughput (1.2e11 FLOP/s on 2 CPU cores: the ~450 prompt tokens/s measured for 135M parameters);
     a decoded token, bound by memory and latency, about 40 times more (~90 ms there)."""
     flops = 2e14 if device.type == "cuda" else 1.2e11
     per_token = 2 * parameters / flops

@@ -67,9 +67,11 @@ def sweep_table(frame, title: str) -> Table:
     return table
 
 
-def recommend_table(choices, max_drop: float) -> Table:
-    """`kvbench recommend`: the smallest cache within `max_drop` points of full, per task and context."""
-    table = Table(title=f"smallest cache within {max_drop:g} points of full (95% CI low end)")
+def recommend_table(choices, max_drop: float, facet: str = "") -> Table:
+    """`kvbench recommend`: the smallest cache within `max_drop` points of full, per task and context (for the
+    model and dtype `facet` names, in a run of several)."""
+    title = f"smallest cache within {max_drop:g} points of full (95% CI low end)"
+    table = Table(title=f"{facet}: {title}" if facet else title)
     for column in ("task", "context", "question", "policy", "budget", "cache ratio", "score (full)", "kv saved",
                    "decode speed vs full", "note"):
         table.add_column(column)

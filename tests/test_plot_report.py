@@ -51,7 +51,7 @@ def run(tmp_path):
                         "scores": {"score": score}, "prediction": "42" if score else "7", "references": ["42"],
                         "cache_ratio": ratio, "kv_bytes_live": ratio * length * 1024, "kv_bytes_peak": length * 1024,
                         "ttft_s": 0.1, "tpot_s": 0.01, "decode_tok_s": 100 / (1 + ratio), "prefill_tok_s": 1000.0,
-                        "mem_peak_alloc": 2**30, "budget_tokens": budget,
+                        "mem_peak_alloc": 2**30, "budget_tokens": budget, "scenario": "prompt-heavy",
                     })
             folder.add_cell({"cell_id": cell_id, "cell": cell, "status": "ok"})
     oom = {**BASE, "policy": {"name": "h2o", "params": {}}, "budget": 2048, "context_length": 1024}
@@ -131,6 +131,9 @@ def test_report_is_one_offline_file(run):
     page = (run / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 6 and "http://" not in page and "https://" not in page
     assert "Failure gallery" in page and "window" in page and "CUDA out of memory" not in page.split("Summary")[0]
+    # it opens with the advice per scenario: snapkv at 256 keeps every needle at both lengths in a quarter
+    advice = page.split("<h2>Run</h2>")[0]
+    assert "What to run, by scenario" in advice and "prompt-heavy (niah): snapkv at 256 scores 1" in advice
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium is not installed")

@@ -66,13 +66,16 @@ def recommend(
     max_kl: float | None = typer.Option(None, "--max-kl", min=0, help="Also require a mean KL from the full cache "
                                         "within this (nats per step; cells of a sweep with diagnostics: [fidelity])."),
 ) -> None:
-    """The smallest cache that stays within the allowed drop of full, per task and context length."""
+    """The smallest cache that stays within the allowed drop of full, per task and context length (and per model
+    and dtype when the run has several)."""
     from kvbench.report import recommend as pick
+    from kvbench.summary import model_facets
     from kvbench.summary import summarize as read_summary
     from kvbench.tables import recommend_table
 
-    choices = pick(read_summary(run_folder(run), write=False), max_drop, max_kl)
-    stdout.print(recommend_table(choices, max_drop))
+    # each model and dtype answers for itself: its cells are compared with its own full cache
+    for facet, rows in model_facets(read_summary(run_folder(run), write=False)):
+        stdout.print(recommend_table(pick(rows, max_drop, max_kl), max_drop, facet))
 
 
 @app.command()

@@ -34,11 +34,11 @@ def sweep(
 ) -> None:
     """Run a grid of policies x budgets x context lengths x tasks into a resumable run folder."""
     from kvbench.config import load_config
-    from kvbench.models import count_parameters, load_model, resolve_device
+    from kvbench.models import count_parameters, resolve_device
     from kvbench.registry import load_plugins
     from kvbench.results import RunFolder
     from kvbench.summary import summarize
-    from kvbench.sweep import estimate_seconds, expand, finished_cells, outcome, shard
+    from kvbench.sweep import ModelLoader, estimate_seconds, expand, finished_cells, outcome, shard
 
     if plugins:
         load_plugins(plugins)
@@ -47,26 +47,35 @@ def sweep(
     folder = RunFolder(output or cfg.output or _default_output(cfg.name, shard_spec))
     if dry_run:
         done = folder.done() if folder.manifest() else set()
-        parameters = count_parameters(cfg.model.id)
-        estimate = "unknown" if parameters is None else \
-            f"~{estimate_seconds(cells, parameters, resolve_device(cfg.model.device), share) / 60:.1f} min"
+        seconds = []
+        for model in cfg.model_grid():
+            parameters = count_parameters(model.id)
+            seconds.append(None if parameters is None else estimate_seconds(
+                [c for c in cells if c.description["model"] == model.identity()], parameters,
+                resolve_device(model.device), share))
+        estimate = "unknown" if None in seconds else f"~{sum(seconds) / 60:.1f} min"
         stdout.print(f"{config}: {len(cells)} cells, {len({c.group for c in cells})} sample groups, "
                      f"{len(done)} samples already in {folder.path}; estimated time {estimate} "
                      "(a rough guess from model size: 2 x parameters FLOPs per token)", highlight=False)
         return
     previous = folder.manifest()
-    if previous and previous["config_hash"] == cfg.result_hash() and {c.id for c in cells} <= finished_cells(
-            folder, retry_failed):
-        completed = True  # nothing left to run: no need to load the model
+    finished = finished_cells(folder, retry_failed)
+    pending = [c for c in cells if c.id not in finished]
+    if previous and previous["config_hash"] == cfg.result_hash() and not pending:
+        completed = True  # nothing left to run: no need to load a model
     else:
-        lm = load_model(cfg.model.id, dtype=cfg.model.dtype, device=cfg.model.device,
-                        device_map=cfg.model.device_map, seed=cfg.seed)
-        completed = _run(cfg, cells, lm, folder, shard_spec, force, quiet, share, retry_failed, trace)
+        models = ModelLoader(cfg)
+        # the first model to run loads before the run folder is written: a bad model spec stops here, nothing
+        # half-written; the sweep reuses it, and loads every other in turn
+        models.load((pending or cells)[0].model)
+        completed = _run(cfg, cells, models, folder, shard_spec, force, quiet, share, retry_failed, trace)
     frame = summarize(folder.path)
     if not quiet and not frame.empty:
+        from kvbench.summary import model_facets
         from kvbench.tables import sweep_table
 
-        stdout.print(sweep_table(frame, cfg.name))
+        for facet, rows in model_facets(frame):  # a table per model and dtype, when the grid has several
+            stdout.print(sweep_table(rows, f"{cfg.name}, {facet}" if facet else cfg.name))
     stdout.print(f"run folder: {folder.path} (summary.md, summary.csv, records.jsonl)", highlight=False)
     if not completed:
         stderr.print("interrupted: run the same command again to resume")
@@ -78,25 +87,25 @@ def sweep(
         raise typer.Exit(1)
 
 
-def _run(cfg, cells, lm, folder, shard_spec, force: bool, quiet: bool, share: bool, retry_failed: bool,
+def _run(cfg, cells, models, folder, shard_spec, force: bool, quiet: bool, share: bool, retry_failed: bool,
          trace: bool) -> bool:
     """Open the run folder and run the sweep with a progress bar; False if interrupted."""
     from kvbench.results import now
     from kvbench.sweep import Progress, manifest, run_sweep, sample_total
 
-    run_manifest = manifest(cfg, cells, lm, shard_spec)
+    run_manifest = manifest(cfg, cells, models.held, shard_spec)
     folder.open(run_manifest, force)
     with progress_bar(disable=quiet) as bar:
         cells_bar = bar.add_task("cells", total=len(cells))
         samples_bar = bar.add_task("samples", total=sample_total(cells))
 
         def update(progress: Progress) -> None:
-            bar.update(cells_bar, completed=progress.cells_done)
+            bar.update(cells_bar, completed=progress.cells_done, description=progress.model[:28] or "cells")
             bar.update(samples_bar, completed=progress.samples_done, description=progress.current[:28] or "samples")
             while progress.log:
                 stderr.print(f"[yellow]cell failed:[/] {escape(progress.log.pop(0))}", highlight=False)
 
-        completed = run_sweep(lm, folder, cells, Progress(len(cells), sample_total(cells), update), share=share,
+        completed = run_sweep(models, folder, cells, Progress(len(cells), sample_total(cells), update), share=share,
                               retry_failed=retry_failed, trace=trace)
     folder.write_manifest({**(folder.manifest() or run_manifest), "finished": now() if completed else None})
     return completed
