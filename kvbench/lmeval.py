@@ -96,9 +96,8 @@ class KvbenchLM(HFLM):
         out = []
         for request in requests:
             ids = [self.prefix_token_id, *self.tok_encode(request.args[0], add_special_tokens=False)]
-            session = self._session(len(ids), arrival=self.stream_chunk, growth=max(self.stream_chunk, 256),
-                                    chunked=True)
-            with session:  # a fresh session streams the text as a prompt, compressing after every chunk
+            session = self._session(len(ids), arrival=self.stream_chunk, growth=max(self.stream_chunk, 256))
+            with session:  # a fresh session streams the text: the first chunk is the prompt, compressed once
                 logprob = float(session.score(ids, chunk=self.stream_chunk).logprobs.sum())
             out.append(logprob)
             self._record(request, "loglikelihood_rolling", session, logprob=logprob, tokens=len(ids) - 1)

@@ -70,9 +70,8 @@ class Perplexity(Task):
 
         ids = sample.token_ids
         step = 1 if self.mode == "exact" else self.chunk
-        session = Session(lm, policy, settings, prompt_tokens=len(ids), arrival=step, growth=max(step, 256),
-                          chunked=True)
-        with session:  # a fresh session streams the text as a prompt, compressing after every step
+        session = Session(lm, policy, settings, prompt_tokens=len(ids), arrival=step, growth=max(step, 256))
+        with session:  # a fresh session streams the text: the first step is the prompt, compressed once
             nll = (-session.score(ids, chunk=step).logprobs).tolist()
         # every token is read as prompt; `exact` times each one-token step as a decode step
         return Generation("", [], session.logits, session.measurements(), extra={"nll_by_position": nll})

@@ -275,3 +275,17 @@ def test_criticalkv_takes_its_bases_phases_and_refuses_a_base_without_scores():
             build_policy("criticalkv", {"base": base})
     with pytest.raises(KvbenchError, match="first_stage_ratio"):
         build_policy("criticalkv", {"first_stage_ratio": 1.5})
+
+
+@pytest.mark.parametrize("name", ["kvzip", "ada_kv"])
+def test_prompt_compressors_stream_text_compressing_its_first_chunk_once(sharp_llama, name):
+    """Perplexity and lm-eval's rolling loglikelihood: the first chunk is the prompt (KVzip reconstructs it, Ada-KV
+    shares its budget), the rest a continuation the cache grows with."""
+    text, chunk = PROMPT + DECODE, 64
+    session = Session(sharp_llama, build_policy(name), RunSettings(budget=BUDGET), prompt_tokens=len(text),
+                      arrival=chunk)
+    with session:
+        session.score(text, chunk=chunk)
+    held = sum(layer.live_entries() for layer in session.cache.layers)
+    expected = sharp_llama.num_layers * sharp_llama.kv_heads * (BUDGET + len(text) - 1 - chunk)
+    assert abs(held - expected) <= sharp_llama.num_layers * sharp_llama.kv_heads  # Ada-KV rounds per head
