@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.errors import KvbenchError
-from kvbench.results import RunFolder
+from kvbench.results import MANIFEST, RunFolder
 from kvbench.summary import model_facets, param_text, summarize, task_key, task_labels
 
 # Okabe-Ito, then Paul Tol's muted set: distinguishable with every common colour-vision deficiency; each
@@ -27,6 +28,8 @@ FIXED_COLOURS = {"full": "#000000", **dict(zip(
                               TOL_MUTED, strict=True))}
 # variants of one policy (other parameters, a storage) share its colour and differ in marker and line
 VARIANT_STYLES = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", "--")]
+# `full` is a horizontal reference line, dashed; several of them (one per run compared) differ in their dashes
+FULL_LINES = ["--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))]
 STYLES = {
     "default": {"figure.dpi": 110, "font.size": 9},
     # two-column paper: 3.4 in wide columns, fonts that embed as TrueType in PDF
@@ -129,22 +132,78 @@ def plot_run(run: str | Path, out: str | Path | None = None, fmt: str = "png", s
     """Write every figure of `run` into `out` (default RUN/figures) as `fmt`; returns the paths."""
     if fmt not in ("png", "pdf", "svg"):
         raise KvbenchError(f"unknown format '{fmt}' (use png, pdf or svg)")
-    plt = _pyplot()
-    target = Path(out) if out else Path(run) / "figures"
-    target.mkdir(parents=True, exist_ok=True)
-    written = []
-    with plt.rc_context(STYLES.get(style, {})):  # font embedding is read when saving, not when drawing
-        for name, figure in figures(run, style, log_x).items():
-            path = target / f"{_file_name(name)}.{fmt}"
-            figure.savefig(path, bbox_inches="tight")
-            plt.close(figure)
-            written.append(path)
-    return written
+    return _save(figures(run, style, log_x), Path(out) if out else Path(run) / "figures", fmt, style)
 
 
 def _file_name(name: str) -> str:
     """`score_vs_ratio_perplexity (mode=exact)` -> `score_vs_ratio_perplexity_mode_exact`"""
     return re.sub(r"[^\w.-]+", "_", name).strip("_")
+
+
+def runs_inside(folder: str | Path) -> list[Path]:
+    """The run folders (those with a manifest.json) directly inside a folder of runs such as `results/`, by name."""
+    path = Path(folder)
+    runs = sorted(child for child in path.iterdir() if (child / MANIFEST).is_file()) if path.is_dir() else []
+    if not runs:
+        raise KvbenchError(f"{folder}: not a run folder (no manifest.json) and no run folders inside")
+    return runs
+
+
+def compare_figures(runs: list[Path], style: str = "default", log_x: bool = False) -> dict[str, Any]:
+    """Score vs cache ratio of every task that two or more of `runs` share on one model and dtype: a curve per
+    run and policy, the run named in the legend. Named `compare_<task>` (`compare_<task> <model> (<dtype>)` when
+    the runs hold several models). Reads every run's summary first, so a run without records fails them all."""
+    plt = _pyplot()
+    if style not in STYLES:
+        raise KvbenchError(f"unknown style '{style}' (use {', '.join(STYLES)})")
+    frames = []
+    for run in runs:
+        frame = summarize(run, write=False)
+        if frame.empty:
+            raise KvbenchError(f"{run}: no records to plot")
+        frames.append(frame.assign(run=run.name))  # the folder's name: unique, where shards share a config name
+    rows = pd.concat(frames, ignore_index=True)
+    out: dict[str, Any] = {}
+    with plt.rc_context({**STYLES[style], "figure.max_open_warning": 0}):
+        for facet, part in model_facets(rows):
+            for task, shared in part.groupby("task", sort=False):
+                if shared["run"].nunique() < 2:
+                    continue
+                figure = _score_curves(plt, shared, "cache_ratio", "cache ratio (kept / full KV bytes)", style, log_x,
+                                       series=_run_series_label)
+                figure.suptitle(f"{task}{f', {facet}' if facet else ''}: runs {', '.join(shared['run'].unique())}",
+                                y=1.02)
+                out[f"compare_{task}{f' {facet}' if facet else ''}"] = figure
+    return out
+
+
+def _run_series_label(row: pd.Series) -> str:
+    return f"{row['run']}: {_series_label(row)}"
+
+
+def plot_folder(folder: str | Path, out: str | Path | None = None, fmt: str = "png", style: str = "default",
+                log_x: bool = False) -> list[Path]:
+    """Every run of a folder of runs drawn as `plot_run` draws it (into RUN/figures, or OUT/<run> with `out`), and
+    the comparisons of the runs (`compare_figures`) into FOLDER/figures (or OUT); returns the paths."""
+    runs = runs_inside(folder)
+    comparisons = compare_figures(runs, style, log_x)  # first: a run that cannot be drawn stops all, nothing written
+    written = [path for run in runs for path in plot_run(run, Path(out) / run.name if out else None, fmt, style,
+                                                         log_x)]
+    return written + _save(comparisons, Path(out) if out else Path(folder) / "figures", fmt, style)
+
+
+def _save(drawn: dict[str, Any], target: Path, fmt: str, style: str) -> list[Path]:
+    """Write and close each figure of `drawn` into `target` as `fmt`."""
+    plt = _pyplot()
+    target.mkdir(parents=True, exist_ok=True)
+    written = []
+    with plt.rc_context(STYLES.get(style, {})):  # font embedding is read when saving, not when drawing
+        for name, figure in drawn.items():
+            path = target / f"{_file_name(name)}.{fmt}"
+            figure.savefig(path, bbox_inches="tight")
+            plt.close(figure)
+            written.append(path)
+    return written
 
 
 def _panels(plt, count: int, style: str, rows: int = 1):
@@ -154,17 +213,18 @@ def _panels(plt, count: int, style: str, rows: int = 1):
     return figure, axes.ravel()
 
 
-def _failed_note(axis, rows: pd.DataFrame) -> None:
+def _failed_note(axis, rows: pd.DataFrame, series: Callable[[pd.Series], str] = _series_label) -> None:
     """Cells without a score (oom, error, not run) leave a gap; say which, in the panel."""
     missing = rows[rows["score"].isna()]
     if len(missing):
-        text = "\n".join(f"{r['status']}: {_series_label(r)} b={r['budget']}" for _, r in missing.iterrows())
+        text = "\n".join(f"{r['status']}: {series(r)} b={r['budget']}" for _, r in missing.iterrows())
         axis.text(0.02, 0.02, text, transform=axis.transAxes, fontsize="x-small", color="#D55E00", va="bottom")
 
 
 def _score_curves(plt, rows: pd.DataFrame, x: str, xlabel: str, style: str, log_x: bool, scale: float = 1.0,
-                  y: str = "score", ylabel: str | None = None):
-    """`y` (the score, or a fidelity column with its `_ci_low`/`_ci_high`) against `x`, a curve per policy."""
+                  y: str = "score", ylabel: str | None = None, series: Callable[[pd.Series], str] = _series_label):
+    """`y` (the score, or a fidelity column with its `_ci_low`/`_ci_high`) against `x`, a curve per `series` label
+    (a policy and its parameters; in a comparison of runs, the run too)."""
     if y != "score":
         rows = rows.assign(score=rows[y], score_ci_low=rows[f"{y}_ci_low"], score_ci_high=rows[f"{y}_ci_high"])
     lengths = sorted(rows["context_length"].unique())
@@ -172,21 +232,23 @@ def _score_curves(plt, rows: pd.DataFrame, x: str, xlabel: str, style: str, log_
     for axis, length in zip(axes, lengths, strict=True):
         panel = rows[rows["context_length"] == length]
         variants: dict[str, int] = {}
-        for label, series in panel.groupby(panel.apply(_series_label, axis=1), sort=False):
-            policy = series["policy"].iloc[0]
+        for label, curve in panel.groupby(panel.apply(series, axis=1), sort=False):
+            policy = curve["policy"].iloc[0]
             colour = policy_colour(policy)
-            marker, line = VARIANT_STYLES[variants.setdefault(policy, 0) % len(VARIANT_STYLES)]
+            variant = variants.setdefault(policy, 0)
+            marker, line = VARIANT_STYLES[variant % len(VARIANT_STYLES)]
             variants[policy] += 1
-            if series["policy"].iloc[0] == "full":
-                full = series.iloc[0]
-                axis.axhline(full["score"], color=colour, linestyle="--", label="full")
+            if policy == "full":
+                full = curve.iloc[0]
+                axis.axhline(full["score"], color=colour, linestyle=FULL_LINES[variant % len(FULL_LINES)],
+                             label=label)
                 axis.axhspan(full["score_ci_low"], full["score_ci_high"], color=colour, alpha=0.08)
                 continue
-            series = series.sort_values(x)
-            xs = series[x].to_numpy(dtype=float) * scale
-            axis.plot(xs, series["score"], marker=marker, linestyle=line, color=colour, label=label)
-            axis.fill_between(xs, series["score_ci_low"], series["score_ci_high"], color=colour, alpha=0.15)
-        _failed_note(axis, panel)
+            curve = curve.sort_values(x)
+            xs = curve[x].to_numpy(dtype=float) * scale
+            axis.plot(xs, curve["score"], marker=marker, linestyle=line, color=colour, label=label)
+            axis.fill_between(xs, curve["score_ci_low"], curve["score_ci_high"], color=colour, alpha=0.15)
+        _failed_note(axis, panel, series)
         axis.set(title=f"{panel['task'].iloc[0]}, {length} tokens", xlabel=xlabel,
                  **(_score_axis(panel) if ylabel is None else {"ylabel": ylabel}))
         if log_x:

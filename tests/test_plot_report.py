@@ -32,31 +32,42 @@ def close_figures():
     plt.close("all")
 
 
-@pytest.fixture
-def run(tmp_path):
-    folder = RunFolder(tmp_path / "run")
-    ids = [f"{name}-{budget}-{length}" for name, budget, _, _ in CELLS for length in (512, 1024)] + ["oom-cell"]
-    never_ran = {**BASE, "policy": {"name": "tova", "params": {}}, "budget": 64, "context_length": 512}
-    folder.open({"name": "synthetic", "config_hash": "h", "started": "t", "cells": [*ids, "never-ran"],
+def make_run(path, name="synthetic", model="m", shift=0.0):
+    """A run folder of CELLS at 512 and 1024 tokens, two samples per depth; `shift` moves every cache ratio (a
+    second run of the same grid that kept a little more)."""
+    folder = RunFolder(path)
+    ids = [f"{policy}-{budget}-{length}" for policy, budget, _, _ in CELLS for length in (512, 1024)] + ["oom-cell"]
+    never_ran = {**BASE, "model": {"id": model}, "policy": {"name": "tova", "params": {}}, "budget": 64,
+                 "context_length": 512}
+    folder.open({"name": name, "config_hash": "h", "started": "t", "cells": [*ids, "never-ran"],
                  "cell_descriptions": {"never-ran": never_ran},
-                 "model": {"spec": "m", "layers": 2, "kv_heads": 2, "head_dim": 16}}, force=False)
-    for name, budget, ratio, by_depth in CELLS:
+                 "model": {"spec": model, "layers": 2, "kv_heads": 2, "head_dim": 16}}, force=False)
+    for policy, budget, ratio, by_depth in CELLS:
+        ratio = min(1.0, ratio + shift) if policy != "full" else ratio
         for length in (512, 1024):
-            cell_id = f"{name}-{budget}-{length}"
-            cell = {**BASE, "policy": {"name": name, "params": {}}, "budget": budget, "context_length": length}
+            cell_id = f"{policy}-{budget}-{length}"
+            cell = {**BASE, "model": {"id": model}, "policy": {"name": policy, "params": {}}, "budget": budget,
+                    "context_length": length}
             for index in range(2):
                 for depth, score in zip(DEPTHS, by_depth, strict=True):
                     folder.add_record({
-                        "cell_id": cell_id, "cell": cell, "sample_id": f"d{depth}-s{index}", "meta": {"depth": depth},
+                        "cell_id": cell_id, "cell": cell, "sample_id": f"d{depth}-s{index}",
+                        "meta": {"depth": depth, "needle": "The special magic number for tiger is: 42."},
                         "scores": {"score": score}, "prediction": "42" if score else "7", "references": ["42"],
                         "cache_ratio": ratio, "kv_bytes_live": ratio * length * 1024, "kv_bytes_peak": length * 1024,
                         "ttft_s": 0.1, "tpot_s": 0.01, "decode_tok_s": 100 / (1 + ratio), "prefill_tok_s": 1000.0,
                         "mem_peak_alloc": 2**30, "budget_tokens": budget, "scenario": "prompt-heavy",
                     })
             folder.add_cell({"cell_id": cell_id, "cell": cell, "status": "ok"})
-    oom = {**BASE, "policy": {"name": "h2o", "params": {}}, "budget": 2048, "context_length": 1024}
+    oom = {**BASE, "model": {"id": model}, "policy": {"name": "h2o", "params": {}}, "budget": 2048,
+           "context_length": 1024}
     folder.add_cell({"cell_id": "oom-cell", "cell": oom, "status": "oom", "message": "CUDA out of memory"})
     return folder.path
+
+
+@pytest.fixture
+def run(tmp_path):
+    return make_run(tmp_path / "run")
 
 
 def test_every_figure_is_written_as_png_and_pdf(run):
@@ -130,22 +141,114 @@ def test_report_is_one_offline_file(run):
     assert result.exit_code == 0, result.output
     page = (run / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 6 and "http://" not in page and "https://" not in page
-    assert "Failure gallery" in page and "window" in page and "CUDA out of memory" not in page.split("Summary")[0]
-    # it opens with the advice per scenario: snapkv at 256 keeps every needle at both lengths in a quarter
-    advice = page.split("<h2>Run</h2>")[0]
-    assert "What to run, by scenario" in advice and "prompt-heavy (niah): snapkv at 256 scores 1" in advice
+    # it opens with the answer: a sentence per task and length, in human units, then the advice per scenario
+    answer, rest = page.split("<h2>Figures</h2>")
+    sentence = ("<b>niah, 1024 tokens</b>: <b>snapkv</b> at 256 keeps 0.25× of full's KV bytes (768.0 KiB saved) "
+                "at 10 ms per token (full: 10 ms); score 1 where full scores 1 (change +0.00, 95% CI [+0.00, +0.00]).")
+    assert sentence in answer and "What to run, by scenario" in answer
+    assert "prompt-heavy (niah): snapkv at 256 scores 1" in answer
+    assert answer.count("data:image/png") == 1 and "alt='score_vs_ratio_niah'" in answer  # beside it: the lead
+    # below the figures, every table collapsed and sortable, numbers in units, the oom's message on hover
+    tables = rest.split("<h2>Tables</h2>")[1]
+    assert tables.count("<details>") == 5 and tables.count("<table class='sortable'>") == 4
+    assert "<td data-sort='524288.0'>512.0 KiB</td>" in tables and "<td data-sort='0.01'>10 ms</td>" in tables
+    assert "<span title='CUDA out of memory'>oom</span>" in tables
+    # the gallery highlights the answer in the needle sentence the record keeps and in full's prediction
+    gallery = tables.split("Failure gallery")[1]
+    assert "The special magic number for tiger is: <mark>42</mark>." in gallery
+    assert "<td class='text'><mark>42</mark></td>" in gallery
+    assert "'departure'" in gallery
+
+
+def test_report_tables_shorten_long_parameters_and_split_by_model(run):
+    from kvbench.report import _short, html_report
+
+    long = "recent_ratio=0.5, storage=quant(bits=4, residual=32)"
+    assert _short(long) == f"<span title='{long}'>recent_ratio=0.5, stora…</span>" and _short("bits=4") == \
+        "<span>bits=4</span>"
+    folder, other = RunFolder(run), RunFolder(make_run(run.parent / "other", model="n"))  # a second model's cells
+    for record in other.records():
+        folder.add_record({**record, "cell_id": f"n-{record['cell_id']}"})
+    manifest = folder.manifest()
+    folder.write_manifest({**manifest, "cells": [*manifest["cells"], *(f"n-{cell}" for cell in other.cells())]})
+    page = html_report(run).read_text()
+    answer = page.split("<h2>Figures</h2>")[0]
+    assert "<h3>m</h3>" in answer and "<h3>n</h3>" in answer and answer.count("<li><b>niah, 1024 tokens</b>") == 2
+
+
+def test_the_gallery_highlights_every_reference():
+    from kvbench.report import highlight
+
+    assert highlight("Paris, then paris<b>", ["paris"]) == "<mark>Paris</mark>, then <mark>paris</mark>&lt;b&gt;"
+    assert highlight("12⟦345", ["345", "12345"]) == "12" + \
+        "<span class='departure' title='leaves the full cache&#39;s prediction here'>⟦</span><mark>345</mark>"
+    assert highlight("no answer", []) == "no answer"
+
+
+# the page's first screen, in a 1400 x 900 window: what a reader sees before scrolling
+SCREEN = (1400, 900)
+# loaded before the page's own script: records script errors, failed loads and console errors, then (on load) the
+# boxes of the advice and of the first figure, the images that did not load, and whether sorting works
+PROBE = """<script>
+const problems = [];
+addEventListener("error", e => problems.push(e.message || "failed to load a " + e.target.tagName), true);
+const consoleError = console.error;
+console.error = (...parts) => { problems.push(parts.join(" ")); consoleError(...parts); };
+addEventListener("load", () => {
+  const box = element => { const r = element.getBoundingClientRect(); return [r.left, r.top, r.width, r.height]; };
+  const images = [...document.images];
+  const summary = [...document.querySelectorAll("table.sortable")][1];
+  const peak = [...summary.tHead.rows[0].cells].find(cell => cell.textContent === "KV peak");
+  peak.click();
+  const sorted = [...summary.tBodies[0].rows].map(row => row.cells[peak.cellIndex].dataset.sort);
+  document.body.dataset.probe = JSON.stringify({
+    problems, broken: images.filter(image => !image.complete || image.naturalWidth === 0).length,
+    images: images.length, advice: box(document.querySelector("#answer .advice")), figure: box(images[0]),
+    advice_text: document.querySelector("#answer .advice").innerText, sorted});
+});
+</script>"""
+
+
+def _chromium(tmp_path, *arguments: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                           "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                           "--disable-sync", "--hide-scrollbars", f"--user-data-dir={tmp_path / 'profile'}",
+                           f"--window-size={SCREEN[0]},{SCREEN[1]}", *arguments],
+                          check=True, capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium is not installed")
 def test_report_renders_in_headless_chromium(run, tmp_path):
-    runner.invoke(app, ["report", str(run)])
+    import html
+    import json
+    import re
+
+    from PIL import Image
+
+    assert runner.invoke(app, ["report", str(run)]).exit_code == 0
+    page = (run / "report.html").read_text()
+    probed = tmp_path / "probed.html"
+    probed.write_text(page.replace("<meta charset='utf-8'>", "<meta charset='utf-8'>" + PROBE, 1))
+    dom = _chromium(tmp_path, "--dump-dom", probed.as_uri()).stdout
+    probe = json.loads(html.unescape(re.search(r'data-probe="([^"]*)"', dom).group(1)))
+    assert probe["problems"] == [] and probe["broken"] == 0 and probe["images"] == 6
+    # the first screen shows the whole recommendation and at least half of the first figure
+    left, top, width, height = probe["advice"]
+    assert top + height <= SCREEN[1] and "snapkv at 256 keeps 0.25×" in probe["advice_text"]
+    left, top, width, height = probe["figure"]
+    assert width > 300 and top + height / 2 <= SCREEN[1]
+    # a click on "KV peak" sorts by bytes (512 KiB before 1 MiB, which text order would not), blanks last
+    sort_keys = [float(key) if key else None for key in probe["sorted"]]
+    peaks = [key for key in sort_keys if key is not None]
+    assert peaks == sorted(peaks) and len(set(peaks)) == 2 and sort_keys[-2:] == [None, None]
+
     shot = tmp_path / "report.png"
-    subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                    f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1200,1600", f"--screenshot={shot}",
-                    (run / "report.html").as_uri()], check=True, capture_output=True, timeout=120)
-    data = shot.read_bytes()
-    assert data.startswith(b"\x89PNG") and len(data) > 50_000  # a page with tables and figures, not a blank one
+    _chromium(tmp_path, f"--screenshot={shot}", (run / "report.html").as_uri())
+    pixels = np.asarray(Image.open(shot).convert("RGB"))
+    assert pixels.shape[:2] == (SCREEN[1], SCREEN[0]) and len(np.unique(pixels.reshape(-1, 3), axis=0)) > 1
+    figure = pixels[int(top):int(min(top + height, SCREEN[1])), int(left):int(left + width)]
+    drawn = (figure.reshape(-1, 3) < 200).any(axis=1).mean()  # share of the figure that is not white or near it
+    assert 0.02 < drawn < 0.9 and len(np.unique(figure.reshape(-1, 3), axis=0)) > 50  # lines, bands, text
 
 
 def test_plot_bad_input(run, tmp_path):

@@ -31,30 +31,51 @@ def summarize(
 @app.command()
 @user_errors
 def plot(
-    run: str = typer.Argument(..., help="Run folder."),
-    out: str | None = typer.Option(None, "--out", help="Folder for the figures (default RUN/figures)."),
+    run: str = typer.Argument(..., help="Run folder, or a folder of run folders (each drawn, and compared)."),
+    out: str | None = typer.Option(None, "--out", help="Folder for the figures (default RUN/figures; for a folder "
+                                   "of runs, OUT/<run> and the comparisons in OUT, default FOLDER/figures)."),
     fmt: str = typer.Option("png", "--format", help="png, pdf or svg."),
     style: str = typer.Option("default", "--style", help="default, or paper: two-column sizes, fonts that embed."),
     log_x: bool = typer.Option(False, "--log-x", help="Logarithmic cache-ratio / bytes axis."),
 ) -> None:
-    """Draw score vs cache ratio and bytes, needle heatmaps, memory, speed and the Pareto front."""
-    from kvbench.plot import plot_run
+    """Draw score vs cache ratio and bytes, needle heatmaps, memory, speed and the Pareto front; for a folder of
+    runs, each run's figures and compare_<task> figures of the runs that share a task and model."""
+    from kvbench.plot import plot_folder, plot_run
 
-    paths = plot_run(run_folder(run), out, fmt, style, log_x)
-    stdout.print(f"{len(paths)} figures in {paths[0].parent}: " + ", ".join(p.name for p in paths), highlight=False)
+    if _is_run(run):
+        paths = plot_run(run, out, fmt, style, log_x)
+        stdout.print(f"{len(paths)} figures in {paths[0].parent}: " + ", ".join(p.name for p in paths),
+                     highlight=False)
+        return
+    paths = plot_folder(run, out, fmt, style, log_x)
+    compared = [p for p in paths if p.name.startswith("compare_")]
+    stdout.print(f"{len(paths) - len(compared)} figures in the runs' folders, {len(compared)} comparisons"
+                 + (f" in {compared[0].parent}: " + ", ".join(p.name for p in compared) if compared else ""),
+                 highlight=False)
 
 
 @app.command()
 @user_errors
 def report(
-    run: str = typer.Argument(..., help="Run folder."),
+    run: str = typer.Argument(..., help="Run folder, or a folder of run folders (each reported, and indexed)."),
     max_drop: float = typer.Option(2.0, "--max-drop", min=0, help="Allowed drop (points) for the recommendation."),
 ) -> None:
-    """Write RUN/report.html: one offline file with the run, tables, figures and a failure gallery."""
-    from kvbench.report import html_report
+    """Write RUN/report.html: one offline file that opens with the recommendation, then figures, tables and a
+    failure gallery; for a folder of runs, each run's report and FOLDER/report.html indexing and comparing them."""
+    from kvbench.report import html_report, report_folder
 
-    path = html_report(run_folder(run), max_drop)
-    stdout.print(f"report: {path}", highlight=False)
+    if _is_run(run):
+        stdout.print(f"report: {html_report(run, max_drop)}", highlight=False)
+        return
+    *reports, index = report_folder(run, max_drop)
+    stdout.print(f"report: {index}, the index of " + ", ".join(str(p) for p in reports), highlight=False)
+
+
+def _is_run(path: str) -> bool:
+    """A run folder (manifest.json) is drawn and reported as one run; anything else must be a folder of runs."""
+    from kvbench.results import MANIFEST
+
+    return (Path(path) / MANIFEST).is_file()
 
 
 @app.command()
