@@ -1,10 +1,11 @@
-# kvbench front door: `make demo` (install + the main job on the embedded model), `make test`.
+# kvbench front door: `make demo` (install + the main job on the embedded model), `make test`; `make lint` and
+# `make typecheck` (mypy, configured in pyproject.toml) are what CI checks before the tests.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint typecheck bench clean
 
 install: $(STAMP)
 
@@ -28,6 +29,9 @@ test: install
 
 lint: install
 	$(BIN)/ruff check kvbench policies tasks tests benchmarks
+
+typecheck: install
+	$(BIN)/mypy
 
 bench: install
 	$(BIN)/python benchmarks/eviction_step.py

@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,6 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kvbench.errors import KvbenchError
 from kvbench.session import check_budget
+
+# an integer budget this small is more likely a ratio written without its decimal point than a real token count
+RATIO_LIKE_BELOW = 16
 
 
 class Strict(BaseModel):
@@ -71,6 +76,11 @@ class PolicySpec(NamedSpec):
 
     budgets: list[int | float] | None = Field(None, min_length=1)
 
+    @field_validator("budgets", mode="before")
+    @classmethod
+    def _percent_budgets(cls, value: Any) -> Any:
+        return _parsed_budgets(value)
+
     @model_validator(mode="before")
     @classmethod
     def _one_budget(cls, value: Any) -> Any:
@@ -84,7 +94,8 @@ class PolicySpec(NamedSpec):
     @field_validator("budgets")
     @classmethod
     def _budgets(cls, budgets: list[int | float] | None) -> list[int | float] | None:
-        return _checked_budgets(budgets)
+        _check_budgets(budgets or [])
+        return budgets
 
 
 class TaskSpec(NamedSpec):
@@ -109,6 +120,8 @@ def _checked_dtype(dtype: str) -> str:
 
 class SweepConfig(Strict):
     name: str
+    # folders of policy/task files to import (as `--plugins DIR`), relative to the config file that names them
+    plugins: list[str] = []
     model: ModelConfig = ModelConfig()
     # robustness axes: several models (each loaded once, swept in turn) instead of `model`, and dtypes crossing them
     models: list[ModelConfig] | None = Field(None, min_length=1)
@@ -186,10 +199,26 @@ class SweepConfig(Strict):
     def _one_or_many(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
 
+    @field_validator("plugins")
+    @classmethod
+    def _load_plugins(cls, folders: list[str]) -> list[str]:
+        """Imported while validating, so that `_registered` below finds the names they register."""
+        from kvbench.registry import load_plugins
+
+        for folder in folders:
+            _checked(load_plugins, folder)
+        return folders
+
+    @field_validator("budgets", mode="before")
+    @classmethod
+    def _percent_budgets(cls, value: Any) -> Any:
+        return _parsed_budgets(value)
+
     @field_validator("budgets")
     @classmethod
     def _budgets(cls, budgets: list[int | float]) -> list[int | float]:
-        return _checked_budgets(budgets)
+        _check_budgets(budgets)
+        return budgets
 
     @field_validator("pressure")
     @classmethod
@@ -243,9 +272,13 @@ class SweepConfig(Strict):
                                 raise _Located(("budgets",), str(exc)) from None
         return self
 
+    def all_budgets(self) -> list[int | float]:
+        """The sweep's budgets and every policy's own."""
+        return [*self.budgets, *(budget for policy in self.policies for budget in policy.budgets or [])]
+
     def result_hash(self) -> str:
         """Identifies everything that changes results (not where they are written or on which device)."""
-        relevant = self.model_dump(exclude={"output", "name", "model", "models", "dtypes"})
+        relevant = self.model_dump(exclude={"output", "name", "model", "models", "dtypes", "plugins"})
         grid = [model.identity() for model in self.model_grid()]
         # one model hashes as `model:` did before `models:`/`dtypes:` existed, so its baselines stay valid
         if len(grid) == 1:
@@ -267,10 +300,54 @@ class SweepConfig(Strict):
         return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _checked_budgets(budgets: list[int | float] | None) -> list[int | float] | None:
-    for budget in budgets or []:
+def budget_from_text(text: str) -> int | float:
+    """`128` (tokens per layer and KV head), `0.25` or `25%` (a ratio of the prompt), checked."""
+    text = text.strip()
+    not_a_budget = f"budget '{text}' is not a number (128 tokens) or a ratio (0.25 or 25%)"
+    try:
+        if text.endswith("%"):
+            percent = float(text.removesuffix("%"))
+            if not 0 < percent <= 100:
+                raise KvbenchError(f"budget '{text}': a percentage of the prompt must be in (0%, 100%]")
+            value: int | float = percent / 100
+        else:
+            try:
+                value = int(text)
+            except ValueError:
+                value = float(text)
+    except ValueError:
+        raise KvbenchError(not_a_budget) from None
+    check_budget(value)
+    return value
+
+
+def warn_if_ratio_like(budget: int | float | None) -> None:
+    """One line on stderr (through logging) for an integer budget under RATIO_LIKE_BELOW: `1` is one token,
+    `1.0` the whole prompt."""
+    if isinstance(budget, int) and not isinstance(budget, bool) and 0 < budget < RATIO_LIKE_BELOW:
+        logging.getLogger(__name__).warning(
+            f"warning: budget {budget} is {budget} token{'s' if budget > 1 else ''} per layer and KV head, not a "
+            "ratio of the prompt (a ratio is written 0.25 or 25%, the whole prompt 1.0 or 100%)")
+
+
+def _parsed_budgets(value: Any) -> Any:
+    """Budgets written as text in YAML (`25%`) become numbers; everything else is left to pydantic."""
+    if not isinstance(value, list):
+        return value
+    parsed = []
+    for budget in value:
+        if isinstance(budget, str):
+            try:
+                budget = budget_from_text(budget)
+            except KvbenchError as exc:
+                raise ValueError(str(exc)) from None
+        parsed.append(budget)
+    return parsed
+
+
+def _check_budgets(budgets: list[int | float]) -> None:
+    for budget in budgets:
         _checked(check_budget, budget)
-    return budgets
 
 
 def _checked(check, value: Any) -> None:
@@ -287,7 +364,7 @@ class _Located(Exception):  # not a ValueError: pydantic must let it through wit
         self.loc = loc
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> SweepConfig:
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> SweepConfig:
     """Read, merge includes, apply `key.sub=value` overrides, validate."""
     path = Path(path)
     raw, sources = _read_with_includes(path, seen=())
@@ -301,7 +378,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> SweepConfig:
             raise KvbenchError(f"--set '{item}': the value is not valid YAML") from None
         _assign(raw, key.split("."), parsed)
     try:
-        return SweepConfig.model_validate(raw)
+        config = SweepConfig.model_validate(raw)
     except pydantic.ValidationError as exc:
         error = exc.errors()[0]
         loc = tuple(error["loc"])
@@ -313,6 +390,10 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> SweepConfig:
         raise KvbenchError(f"{_where(sources, loc)}: {_dotted(loc)}: {message}") from None
     except _Located as exc:
         raise KvbenchError(f"{_where(sources, exc.loc)}: {_dotted(exc.loc)}: {exc}") from None
+    # warned of once a config is valid, so that a bad one still ends in its one error line alone
+    for budget in sorted({b for b in config.all_budgets() if type(b) is int}):
+        warn_if_ratio_like(budget)
+    return config
 
 
 def _read_with_includes(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, Any], list[tuple[Path, Any]]]:
@@ -332,13 +413,22 @@ def _read_with_includes(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, A
     if not isinstance(data, dict):
         raise KvbenchError(f"{path}: a config must be a mapping of keys, got {type(data).__name__}")
     includes = data.pop("include", [])
+    plugins = data.pop("plugins", [])
     merged: dict[str, Any] = {}
     sources: list[tuple[Path, Any]] = [(path, node)]
     for include in [includes] if isinstance(includes, str) else includes:
         included, inner = _read_with_includes(path.parent / include, seen + (path.resolve(),))
         merged = _merge(merged, included)
         sources.extend(inner)
-    return _merge(merged, data), sources
+    merged = _merge(merged, data)
+    # folders add up over includes (an included file's policies still need theirs), each relative to its own file
+    if isinstance(plugins, str):
+        plugins = [plugins]
+    if isinstance(plugins, list):
+        plugins = [*merged.get("plugins", []), *(str(path.parent / p) if isinstance(p, str) else p for p in plugins)]
+    if plugins:
+        merged["plugins"] = plugins  # anything but folders is left for validation to name
+    return merged, sources
 
 
 def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

@@ -3,7 +3,10 @@ bytes, full and under a budget, beside the weights, against a device's memory.""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,13 +57,27 @@ def model_shape(model: str) -> Shape:
         config = _random_config(model.removeprefix("random:"))
     else:
         try:
-            config = AutoConfig.from_pretrained(_local_source(model))
+            with _quiet_hub():
+                config = AutoConfig.from_pretrained(_local_source(model))
         except OSError as exc:  # not a folder, not on the hub, offline
-            raise KvbenchError(f"model '{model}': no config found (not in the built-in table, not a folder, "
-                               f"not reachable on the hub): {str(exc).splitlines()[0]}") from None
+            raise KvbenchError(f"model '{model}': its config could not be found locally or fetched from the hub "
+                               f"(nor is it a built-in shape): {str(exc).splitlines()[0]}") from None
     heads = config.num_attention_heads
     return Shape(config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads,
                  getattr(config, "head_dim", None) or config.hidden_size // heads, config_parameters(config))
+
+
+@contextlib.contextmanager
+def _quiet_hub() -> Iterator[None]:
+    """Without a network the hub logs every retry (about 20 lines) before it gives up; the error that follows says
+    all of it in one line."""
+    hub = logging.getLogger("huggingface_hub")
+    level = hub.level
+    hub.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        hub.setLevel(level)
 
 
 def human_bytes(count: float) -> str:

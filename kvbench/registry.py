@@ -1,10 +1,12 @@
-"""Name -> class registries for policies and tasks, and loading user plugins from a folder."""
+"""Name -> class registries for policies and tasks, and loading user plugins: from a folder, or from installed
+distributions that declare a `kvbench.policies` / `kvbench.tasks` entry point."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import hashlib
+import importlib.metadata
 import importlib.util
 import sys
 import typing
@@ -17,6 +19,10 @@ from kvbench.errors import KvbenchError
 
 T = TypeVar("T")
 
+# `[project.entry-points."kvbench.policies"] myname = "mypkg.module"`: the module is imported (its @register runs)
+# the first time the registry of that kind is read
+ENTRY_POINT_GROUPS = {"policy": "kvbench.policies", "task": "kvbench.tasks"}
+
 
 class Registry(Generic[T]):
     """Maps names to classes; `register` is a class decorator reading the class's `name`."""
@@ -24,6 +30,7 @@ class Registry(Generic[T]):
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._entries: dict[str, type[T]] = {}
+        self._entry_points_loaded = False
 
     def register(self, cls: type[T]) -> type[T]:
         name = cls.name  # type: ignore[attr-defined]
@@ -33,6 +40,7 @@ class Registry(Generic[T]):
         return cls
 
     def get(self, name: str) -> type[T]:
+        self._load_entry_points()
         if name not in self._entries:
             close = difflib.get_close_matches(name, self._entries, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
@@ -60,7 +68,24 @@ class Registry(Generic[T]):
         return cls(**values)
 
     def names(self) -> list[str]:
+        self._load_entry_points()
         return sorted(self._entries)
+
+    def _load_entry_points(self) -> None:
+        """Import, once, every module installed distributions declare for this kind of registry."""
+        if self._entry_points_loaded:
+            return
+        self._entry_points_loaded = True  # first: a plugin that reads the registry while importing must not recurse
+        group = ENTRY_POINT_GROUPS.get(self.kind)
+        for entry_point in importlib.metadata.entry_points(group=group) if group else ():
+            try:
+                entry_point.load()
+            except KvbenchError:
+                raise
+            except Exception as exc:  # an installed plugin that breaks is named, like a plugin folder's file
+                source = f"{entry_point.dist.name} " if entry_point.dist else ""
+                raise KvbenchError(f"{self.kind} plugin '{entry_point.name}' ({source}entry point "
+                                   f"{entry_point.value}) failed to import: {type(exc).__name__}: {exc}") from exc
 
 
 def first_line(cls: type) -> str:

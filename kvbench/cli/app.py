@@ -3,13 +3,15 @@ option parsers, the progress bar and the run-folder check."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import typer
+import typer.core
 import yaml
 from rich.console import Console
 from rich.markup import escape
@@ -18,14 +20,52 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kvbench import __version__
 from kvbench.errors import KvbenchError
 
+stdout = Console(width=max(Console().width, 110))
+stderr = Console(stderr=True)
+
+
+def print_error(message: str) -> None:
+    """The one line every bad input ends in (the caller exits 2)."""
+    one_line = " ".join(message.split())
+    stderr.print(f"[bold red]error:[/] {escape(one_line)}", highlight=False, soft_wrap=True)
+
+
+@contextlib.contextmanager
+def _one_line_usage_errors() -> Iterator[None]:
+    """Click's own errors (a bad option value, a missing argument, an unknown option) as one line, exit 2, instead of
+    Typer's boxed usage text: the same shape as every other bad input."""
+    try:
+        yield
+    except typer.TyperException as exc:  # Typer's Click raises its usage errors as these
+        if type(exc).__name__ == "NoArgsIsHelpError":  # `kvbench` alone: the help is printed, nothing went wrong
+            raise
+        context = getattr(exc, "ctx", None)
+        hint = f" (see '{context.command_path} --help')" if context is not None else ""
+        print_error(exc.format_message() + hint)
+        raise typer.Exit(2) from None
+
+
+class OneLineErrorGroup(typer.core.TyperGroup):
+    """The app's group: parsing its own options and every subcommand's (which happens in `invoke`) reports usage
+    errors as one line."""
+
+    # the contexts are Typer's own (private) Click's: `Any` stands in, these overrides only wrap their parent's call
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        with _one_line_usage_errors():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: Any) -> Any:
+        with _one_line_usage_errors():
+            return super().invoke(ctx)
+
+
 app = typer.Typer(
+    cls=OneLineErrorGroup,
     help="Benchmark KV-cache eviction and compression policies: quality, speed and measured memory.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-stdout = Console(width=max(Console().width, 110))
-stderr = Console(stderr=True)
 PLUGINS = typer.Option(None, "--plugins", help="Folder of extra policy/task files to load.")
 
 
@@ -37,7 +77,7 @@ def user_errors(command: Callable) -> Callable:
         try:
             return command(*args, **kwargs)
         except KvbenchError as exc:
-            stderr.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+            print_error(str(exc))
             raise typer.Exit(2) from None
 
     return wrapper
@@ -74,17 +114,12 @@ def parse_assignments(items: list[str], option: str) -> dict[str, Any]:
 
 
 def parse_budget(text: str) -> int | float:
-    """`128` (tokens per layer and KV head) or `0.25` (a ratio of the prompt)."""
-    from kvbench.session import check_budget
+    """`128` (tokens per layer and KV head), `0.25` or `25%` (a ratio of the prompt); warns, on one line, of a small
+    integer that reads like a ratio."""
+    from kvbench.config import budget_from_text, warn_if_ratio_like
 
-    try:
-        value: int | float = int(text)
-    except ValueError:
-        try:
-            value = float(text)
-        except ValueError:
-            raise KvbenchError(f"budget '{text}' is not a number") from None
-    check_budget(value)
+    value = budget_from_text(text)
+    warn_if_ratio_like(value)
     return value
 
 

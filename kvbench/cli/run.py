@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any, cast
 
 import typer
 
@@ -28,7 +29,7 @@ def run(
     policy: list[str] = typer.Option(["full"], "--policy", "-p", help="Policy name; repeat to compare several."),
     param: list[str] = typer.Option([], "--param", help="Policy parameter k=v (or policy.k=v); repeatable."),
     budget: list[str] = typer.Option(["0.25"], "--budget", "-b", help="Tokens per layer and KV head (128) or "
-                                     "a ratio of the prompt (0.25); repeatable."),
+                                     "a ratio of the prompt (0.25 or 25%); repeatable."),
     task: str = typer.Option("niah", "--task", "-t", help="Task name (see `kvbench tasks`)."),
     task_param: list[str] = typer.Option([], "--task-param", help="Task parameter k=v; repeatable."),
     context: list[int] = typer.Option([1024], "--context", "-c", help="Context length in tokens; repeatable."),
@@ -60,9 +61,11 @@ def run(
 
     if plugins:
         load_plugins(plugins)
+    # prefill and question stay text here: RunSettings checks them and names the allowed values
     settings = [
-        RunSettings(budget=parse_budget(b), prefill=prefill, prefill_chunk=prefill_chunk, question=question,
-                    evict_every=evict_every, max_new_tokens=max_new_tokens, fidelity=fidelity)
+        RunSettings(budget=parse_budget(b), prefill=cast(Any, prefill), prefill_chunk=prefill_chunk,
+                    question=cast(Any, question), evict_every=evict_every, max_new_tokens=max_new_tokens,
+                    fidelity=fidelity)
         for b in budget
     ]
     routed = policy_params(policy, parse_assignments(param, "--param"))

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from typing import Any, Literal, cast
+
 import typer
 
 from kvbench.cli.app import PLUGINS, app, parse_assignments, parse_budget, stderr, stdout, user_errors
@@ -17,7 +21,8 @@ def capacity_command(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="As for `run`."),
     policy: str = typer.Option("full", "--policy", "-p", help="Policy name."),
     param: list[str] = typer.Option([], "--param", help="Policy parameter k=v; repeatable."),
-    budget: str | None = typer.Option(None, "--budget", "-b", help="Tokens per layer and KV head, or a ratio."),
+    budget: str | None = typer.Option(None, "--budget", "-b", help="Tokens per layer and KV head, or a ratio "
+                                      "(0.25 or 25%)."),
     memory_limit: str | None = typer.Option(None, "--memory-limit", help="Memory the run may use, e.g. 24GiB "
                                             "(on CPU: the KV cache's bytes)."),
     pressure: float | None = typer.Option(None, "--pressure", min=0, max=0.999, help="Share of device memory "
@@ -44,10 +49,11 @@ def capacity_command(
     if memory_limit is None and pressure is None:
         raise KvbenchError("give --memory-limit or --pressure")
     pol = build_policy(policy, parse_assignments(param, "--param"))
-    settings = RunSettings(budget=None if budget is None else parse_budget(budget), prefill=prefill,
+    # prefill stays text here: RunSettings checks it and names the allowed values
+    settings = RunSettings(budget=None if budget is None else parse_budget(budget), prefill=cast(Any, prefill),
                            prefill_chunk=prefill_chunk)
     lm = load_model(model, dtype=dtype, device=device)
-    search = "batch" if context is not None else "context"
+    search: Literal["batch", "context"] = "batch" if context is not None else "context"
     with stderr.status(f"searching the largest {search} ..."):
         found = capacity(lm, pol, settings, search, context=context or 0, batch=batch or 1,
                          decode_steps=decode_steps, limit_bytes=None if memory_limit is None else
@@ -72,10 +78,14 @@ def estimate_command(
     context: list[int] = typer.Option([4096], "--context", "-c", help="Context length in tokens; repeatable."),
     batch: list[int] = typer.Option([1], "--batch", help="Sequences in the batch; repeatable."),
     dtype: list[str] = typer.Option(["bfloat16"], "--dtype", help="KV and weight dtype; repeatable."),
-    budget: list[str] = typer.Option([], "--budget", "-b", help="Tokens per layer and KV head or a ratio; "
-                                                                  "repeatable (the full cache is always shown)."),
+    budget: list[str] = typer.Option([], "--budget", "-b", help="Tokens per layer and KV head or a ratio (0.25 or "
+                                     "25%); repeatable (the full cache is always shown)."),
     device_memory: str | None = typer.Option(None, "--device-memory", help="e.g. 80GiB: warn where cache plus "
                                                                              "weights do not fit."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table: the model, its "
+                                 "shape (layers, kv_heads, head_dim, parameters) and `rows`, one per table row, with "
+                                 "bytes as numbers, budget null for the full cache and fits null without "
+                                 "--device-memory."),
 ) -> None:
     """KV-cache memory of a model at given lengths, batches, dtypes and budgets, without loading it."""
     from kvbench.estimate import estimate, model_shape, parse_bytes
@@ -84,11 +94,15 @@ def estimate_command(
     shape = model_shape(model)
     limit = None if device_memory is None else parse_bytes(device_memory)
     rows = estimate(shape, context, batch, dtype, [None, *(parse_budget(b) for b in budget)], limit)
-    stdout.print(estimate_table(model, shape, rows))
+    if as_json:
+        typer.echo(json.dumps({"model": model, **dataclasses.asdict(shape), "device_memory_bytes": limit,
+                               "rows": rows}))
+    else:
+        stdout.print(estimate_table(model, shape, rows))
     over = [r for r in rows if r["fits"] is False]
     if over:
         stderr.print(f"warning: {len(over)} of {len(rows)} settings need more than {device_memory} "
-                     "(weights + KV cache, before activations)")
+                     "(weights + KV cache, before activations)", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -103,7 +117,7 @@ def policies(plugins: str | None = PLUGINS) -> None:
 
     if plugins:
         load_plugins(plugins)
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for name in POLICIES.names():
         cls = POLICIES.get(name)
         params = ", ".join(f"{k}={v}" for k, v in cls.params().items() if k != "storage") or "-"
@@ -122,8 +136,10 @@ def tasks(plugins: str | None = PLUGINS) -> None:
 
     if plugins:
         load_plugins(plugins)
-    rows = [(name, "\n".join(f"{k}={v!r}" for k, v in TASKS.get(name).params().items()), first_line(TASKS.get(name)))
-            for name in TASKS.names()]
+    rows: list[tuple[str, ...]] = [
+        (name, "\n".join(f"{k}={v!r}" for k, v in TASKS.get(name).params().items()), first_line(TASKS.get(name)))
+        for name in TASKS.names()
+    ]
     stdout.print(listing("tasks", ("name", "parameters (defaults)", "what it does"), rows))
 
 
