@@ -9,11 +9,18 @@ not score by attention (window, streaming_llm, full) never pay for it.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvbench.errors import KvbenchError
+
+if TYPE_CHECKING:
+    from kvbench.cache import LayerKV
 
 ATTENTION_NAME = "kvbench"
 # float32 logits in one chunk of `attention_probs` (its softmax holds as many again). On CPU 4 Mi elements
@@ -22,6 +29,21 @@ ATTENTION_NAME = "kvbench"
 # free memory, between that and GPU_MAX_CHUNK_ELEMENTS (1 GiB): few, large chunks keep the device busy.
 MAX_CHUNK_ELEMENTS = 1 << 22
 GPU_MAX_CHUNK_ELEMENTS = 1 << 28
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """How one of the model's layers attends, as far as kvbench must follow it."""
+
+    window: int | None = None  # a sliding layer: each query sees the last `window` positions (itself included)
+    softcap: float | None = None  # logits soft-capped to cap * tanh(logits / cap) (Gemma-2): SDPA cannot
+
+    @property
+    def name(self) -> str:
+        return "full" if self.window is None else "sliding"
+
+
+FULL = LayerKind()
 
 
 def kvbench_attention(
@@ -34,34 +56,121 @@ def kvbench_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     observer = kwargs.get("kv_observer")
-    padding = None if observer is None else observer.padding(module.layer_idx)
-    if padding is not None:
+    scaling = scaling if scaling is not None else module.scaling
+    if observer is None:  # a stock cache (slots are positions): transformers' mask is right, only softcap is ours
+        kind, padding = LayerKind(softcap=kwargs.get("softcap")), None
+    else:
+        layer = observer.layers[module.layer_idx]
+        kind, padding = layer.kind, layer.padding()
+        _check_kind(module, kind, kwargs)
+    if kind.window is not None and observer is not None:
+        # slots are not in position order once entries moved: the window is applied to true positions
+        attention_mask = sliding_mask(layer, query.shape[-2], query.shape[1])
+        if padding is not None:
+            attention_mask = attention_mask & ~_per_query_head(padding, query.shape[1]) | _diagonal(attention_mask)
+    elif padding is not None:
         # heads hold uneven counts (Ada-KV) or rows are left-padded (a batch): queries skip padding slots, but a
         # padding query still sees itself, so no row is fully masked (SDPA would return NaN and spread it)
-        group = query.shape[1] // key.shape[1]
         causal = causal_mask(query.shape[-2], key.shape[-2], key.device)
-        attention_mask = causal & ~padding.repeat_interleave(group, dim=1)[:, :, None, :] | _diagonal(causal)
+        attention_mask = causal & ~_per_query_head(padding, query.shape[1]) | _diagonal(causal)
     elif attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
-        # layers of one cache hold different lengths (per-layer budgets) but transformers builds one mask, sized
-        # by layer 0: rebuild it for this layer (the new queries are the last slots; batch 1, no padding)
+        # layers of one cache hold different lengths (per-layer budgets, sliding layers) but transformers builds
+        # one mask, sized by one layer: rebuild it for this layer (the new queries are the last slots; batch 1)
         attention_mask = causal_mask(query.shape[-2], key.shape[-2], key.device)
-    output = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    if observer is not None and observer.observing:
-        observer.observe(module.layer_idx, query, key, scaling if scaling is not None else module.scaling)
+    elif attention_mask is None and kind.softcap is not None and query.shape[-2] > 1:
+        attention_mask = causal_mask(query.shape[-2], key.shape[-2], key.device)  # SDPA's is_causal, made explicit
+    if kind.softcap is not None:
+        output = eager_attention(query, key, value, attention_mask, scaling, kind.softcap), None
+    else:
+        output = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    if observer is not None:
+        if observer.observing:
+            observer.observe(module.layer_idx, query, key, scaling)
+        observer.slide(module.layer_idx)
     return output
 
 
-def _diagonal(causal: torch.Tensor) -> torch.Tensor:
-    """Each query's own slot (the last one it sees) in a causal mask."""
-    queries, keys = causal.shape[-2:]
-    return (torch.arange(keys, device=causal.device)[None, :]
-            == torch.arange(queries, device=causal.device)[:, None] + (keys - queries))[None, None]
+def _check_kind(module: torch.nn.Module, kind: LayerKind, kwargs: dict) -> None:
+    """The model's own attention says how this layer attends: it must be what the cache was built for."""
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    if (window, softcap) != (kind.window, kind.softcap):
+        raise KvbenchError(f"{type(module).__name__} layer {module.layer_idx} attends with sliding_window={window}, "
+                           f"softcap={softcap}, but its config says {kind.window}, {kind.softcap}: kvbench cannot "
+                           f"drive this model (supported: full and sliding_attention layers, soft-capped logits)")
+    for name in UNSUPPORTED_ATTENTION_TERMS:
+        if kwargs.get(name) is not None:
+            raise KvbenchError(f"{type(module).__name__} attends with {name} ({UNSUPPORTED_ATTENTION_TERMS[name]}): "
+                               f"not supported by kvbench (supported: causal softmax attention, sliding windows, "
+                               f"soft-capped logits)")
+
+
+# what some models add to their attention and kvbench cannot follow
+UNSUPPORTED_ATTENTION_TERMS = {"s_aux": "attention sinks", "position_bias": "a relative position bias"}
+
+
+def _per_query_head(per_kv_head: torch.Tensor, heads: int) -> torch.Tensor:
+    """`[B, kv_heads, n]` slot flags as a `[B, heads or 1, 1, n]` mask term."""
+    return per_kv_head.repeat_interleave(heads // per_kv_head.shape[1], dim=1)[:, :, None, :]
+
+
+def _diagonal(mask: torch.Tensor) -> torch.Tensor:
+    """Each query's own slot (the last one it sees) in a `[.., q, n]` mask: the new queries are the last slots."""
+    queries, keys = mask.shape[-2:]
+    return (torch.arange(keys, device=mask.device)[None, :]
+            == torch.arange(queries, device=mask.device)[:, None] + (keys - queries))[None, None]
 
 
 def causal_mask(queries: int, keys: int, device: torch.device) -> torch.Tensor:
     """`[1, 1, q, n]` boolean: the q new queries are the last q of n slots and see every older slot."""
     last_visible = torch.arange(queries, device=device) + (keys - queries)
     return (torch.arange(keys, device=device)[None, :] <= last_visible[:, None])[None, None]
+
+
+def window_visible(key_positions: torch.Tensor, query_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """Which keys each query of a sliding layer sees: `key_positions` `[..., n]`, `query_positions` `[..., q]` (true
+    positions, any slot order) -> `[..., q, n]`: not later than the query and fewer than `window` before it."""
+    keys, queries = key_positions[..., None, :], query_positions[..., :, None]
+    return (keys <= queries) & (keys > queries - window)
+
+
+def sliding_mask(layer: LayerKV, queries: int, heads: int) -> torch.Tensor:
+    """`[B, 1 or heads, q, n]` boolean mask of a sliding layer's attention from its slots' true positions. The new
+    queries are the last `queries` slots; one row serves every head until a policy evicted per head."""
+    positions = layer.live_positions()
+    if layer.heads_share_positions:
+        positions = positions[:, :1]
+    visible = window_visible(positions, positions[..., -queries:], layer.kind.window)
+    return visible.repeat_interleave(heads // visible.shape[1], dim=1)
+
+
+def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                    scaling: float, softcap: float | None) -> torch.Tensor:
+    """Softmax attention written out (the model's eager path: logits in the model dtype, soft-capped, masked,
+    softmax in float32, no dropout) for what SDPA cannot express; `mask` `[B, 1 or heads, q, n]` boolean, None:
+    the single query sees everything. Chunked over queries like `attention_probs`, each KV head's query heads
+    stacked so the keys are read in place. Returns `[B, q, heads, D]`, as transformers' attention functions do."""
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads, n = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    output = query.new_empty(batch, heads, q_len, value.shape[-1])
+    chunk = queries_per_chunk(batch, heads, q_len, n, key.device)
+    for start in range(0, q_len, chunk):
+        stop = min(q_len, start + chunk)
+        q_chunk = query[:, :, start:stop].reshape(batch, kv_heads, group * (stop - start), head_dim)
+        logits = (q_chunk @ key.transpose(-1, -2)).view(batch, kv_heads, group, stop - start, n) * scaling
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        if mask is not None:
+            visible = mask[..., start:stop, :]
+            if visible.shape[1] > 1:  # a row per query head: each KV head's group together
+                visible = visible.reshape(batch, kv_heads, group, stop - start, n)
+            else:
+                visible = visible[:, :, None]
+            logits = logits.masked_fill(~visible, float("-inf"))
+        weights = logits.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+        output[:, :, start:stop] = (weights.view(batch, kv_heads, group * (stop - start), n) @ value).view(
+            batch, heads, stop - start, -1)
+    return output.transpose(1, 2).contiguous()
 
 
 def register() -> None:
@@ -77,8 +186,16 @@ def chunk_elements(device: torch.device) -> int:
     return MAX_CHUNK_ELEMENTS
 
 
+def queries_per_chunk(batch: int, heads: int, queries: int, keys: int, device: torch.device) -> int:
+    """Queries of one chunk of logits; a chunk that fits the CPU budget asks the device nothing (no host sync)."""
+    if batch * heads * queries * keys <= MAX_CHUNK_ELEMENTS:
+        return queries
+    return max(1, chunk_elements(device) // (batch * heads * keys))
+
+
 def attention_probs(
-    query: torch.Tensor, key: torch.Tensor, scaling: float, padding: torch.Tensor | None = None
+    query: torch.Tensor, key: torch.Tensor, scaling: float, padding: torch.Tensor | None = None,
+    kind: LayerKind = FULL, positions: torch.Tensor | None = None,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Softmax attention of `query` `[B, heads, q, D]` to `key` `[B, kv_heads, n, D]`, chunk by chunk.
 
@@ -87,7 +204,9 @@ def attention_probs(
     in float32, where group = heads // kv_heads are the query heads sharing one KV head and v <= n
     are the slots visible to the chunk's last query (the rest are causally masked: zero anyway).
     `padding` `[B, kv_heads, n]` marks slots no query attends (a left-padded batch): they get zero, and a
-    padding query's row is all zero.
+    padding query's row is all zero. A layer `kind` with a window needs the slots' true `positions`
+    `[B, kv_heads, n]` (any slot order): a query sees only the keys within its window; soft-capped logits are
+    capped as the model caps them.
     A chunk holds as many queries as `chunk_elements` allows; each KV head's query heads are stacked along the
     query dimension, so one matmul per chunk reads the float32 keys in place (no per-group copy of them).
     """
@@ -95,15 +214,21 @@ def attention_probs(
     kv_heads, n = key.shape[1], key.shape[2]
     group = heads // kv_heads
     keys_t = key.float().transpose(-1, -2)  # [B, kv, D, n], converted once
-    chunk = max(1, chunk_elements(key.device) // (batch * heads * n))
+    chunk = queries_per_chunk(batch, heads, q_len, n, key.device)
     for start in range(0, q_len, chunk):
         stop = min(q_len, start + chunk)
         size, visible = stop - start, n - q_len + stop
         q_chunk = query[:, :, start:stop].float().reshape(batch, kv_heads, group * size, head_dim)
         logits = ((q_chunk * scaling) @ keys_t[..., :visible]).view(batch, kv_heads, group, size, visible)
+        if kind.softcap is not None:
+            logits = torch.tanh(logits / kind.softcap) * kind.softcap
         if size > 1:  # causal mask: only the chunk's own trailing block has masked slots
             block = logits[..., visible - size :]
             block.masked_fill_(torch.ones(size, size, dtype=torch.bool, device=key.device).triu(1), float("-inf"))
+        if kind.window is not None:
+            seen = positions[..., :visible]
+            query_positions = positions[..., n - q_len + start : n - q_len + stop]
+            logits.masked_fill_(~window_visible(seen, query_positions, kind.window)[:, :, None], float("-inf"))
         if padding is None:
             yield start, logits.softmax(dim=-1)
             continue
@@ -112,10 +237,11 @@ def attention_probs(
 
 
 def attention_received(query: torch.Tensor, key: torch.Tensor, scaling: float,
-                       padding: torch.Tensor | None = None) -> torch.Tensor:
+                       padding: torch.Tensor | None = None, kind: LayerKind = FULL,
+                       positions: torch.Tensor | None = None) -> torch.Tensor:
     """Attention each slot received, summed over the queries and averaged over each KV head's
-    query heads: `[B, kv_heads, n]` (the H2O accumulation step)."""
+    query heads: `[B, kv_heads, n]` (the H2O accumulation step); `kind` and `positions` as `attention_probs`."""
     total = torch.zeros(key.shape[:3], dtype=torch.float32, device=key.device)
-    for _, probs in attention_probs(query, key, scaling, padding):
+    for _, probs in attention_probs(query, key, scaling, padding, kind, positions):
         total[..., : probs.shape[-1]] += probs.sum(dim=3).mean(dim=2)
     return total

@@ -7,6 +7,10 @@ O(evicted) copies and memory really stays at the budget. Slots are not kept in p
 attention does not care (RoPE is already applied to the keys), and `positions` records each
 entry's original position for the policies that need recency.
 
+A sliding-window layer (`LayerKind.window`, from the model's config) holds at most `window - 1` entries between
+forwards, as transformers' own sliding-window cache does: after each attention it drops the oldest beyond that,
+which no later query can see. A policy's budget bounds it too (a budget below the window evicts there as well).
+
 A policy with a storage layout (quant, mixed_precision, lowrank, or `storage:` on an eviction policy) gets
 `StoredLayerKV` layers instead (kvbench/storage.py): the same slots, holding compressed entries.
 """
@@ -22,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvbench.attention import FULL, LayerKind
 from kvbench.errors import KvbenchError
 from kvbench.measure import synchronize
 
@@ -69,6 +74,10 @@ class LayerKV(CacheLayerMixin):
         super().__init__()
         self.owner = owner
         self.layer_idx = layer_idx
+        self.kind: LayerKind = owner.kinds[layer_idx]
+        # every KV head holds the same positions in the same slots (until a policy evicts per head): one mask row
+        # then serves all heads of a sliding layer
+        self.heads_share_positions = True
         self.length = 0  # live slots
         self.seen = 0  # tokens ever appended: the position of the next one
         self.max_held = 0
@@ -118,6 +127,7 @@ class LayerKV(CacheLayerMixin):
         self.lazy_initialization(other.keys, other.values)
         self._reallocate(self.owner.capacity_for(other.length, self.layer_idx))
         self.length, self.seen, self.max_held = other.length, other.seen, other.max_held
+        self.heads_share_positions = other.heads_share_positions
         pairs = [(self.positions, other.positions)]
         for name in stats:
             if name in other.slot_stats:
@@ -214,6 +224,25 @@ class LayerKV(CacheLayerMixin):
         if self.capacity >= 2 * target:
             self._reallocate(target)
 
+    def slide(self) -> None:
+        """On a sliding layer, drop what no later query can see: beyond `window - 1` entries per head, the oldest
+        (padding slots first). Those are all out of the window, and their count needs nothing from the device."""
+        if self.kind.window is None or self.length < self.kind.window:
+            return
+        age = self.live_positions()
+        padding = self.padding()
+        if padding is not None:
+            age = age.masked_fill(padding, torch.iinfo(age.dtype).min)
+        excess = self.length - (self.kind.window - 1)
+        self.evict(age.topk(excess, dim=-1, largest=False, sorted=False).indices)
+
+    def out_of_window(self) -> torch.Tensor | None:
+        """`[batch, kv_heads, length]`, True on entries the next query of a sliding layer cannot see (None: a full
+        layer). A policy bound below the window may leave some held until the layer fills up again."""
+        if self.kind.window is None:
+            return None
+        return self.live_positions() <= self.next_position() - self.kind.window
+
     def _buffers(self) -> list[torch.Tensor]:
         return [self.keys, self.values, self.positions, *self.slot_stats.values()]
 
@@ -299,8 +328,11 @@ class KVCache(Cache):
         phase: Phase = Phase.PREFILL,
         prompt_tokens: int | None = None,
         model: ModelInternals | None = None,
+        kinds: list[LayerKind] | None = None,
     ) -> None:
         self.policy = policy
+        self.kinds = kinds or [FULL] * num_layers  # how each layer attends (sliding window, soft cap)
+        self.slides = True  # sliding layers drop what left their window (not during a probe, which is forgotten)
         self._model = model  # what a policy may read of the model (rotary embedding, output projections)
         self.limit_bytes = limit_bytes  # KV bytes allowed (a memory-pressure cell on CPU): beyond, out of memory
         self.left_padding = left_padding  # [batch] padding tokens in front of each row (batch > 1)
@@ -327,6 +359,8 @@ class KVCache(Cache):
         self.peak_bytes = 0
         layout = policy.layout()  # compressed storage, or None: plain slots in the model dtype
         if layout is not None:
+            if any(kind.window is not None for kind in self.kinds):
+                raise KvbenchError(f"policy '{policy.name}': compressed storage does not run on sliding-window layers")
             if batch_heads_dim[0] > 1:
                 raise KvbenchError(f"policy '{policy.name}': compressed storage runs at batch 1")
             layout.fit(batch_heads_dim[2])
@@ -341,9 +375,13 @@ class KVCache(Cache):
     def capacity_for(self, live: int, layer_idx: int) -> int:
         """Slots a layer's buffer gets when it must hold `live` entries."""
         bounded = self.phase is Phase.PREFILL or self.policy.evicts_during_decode
+        held = None  # the most entries the layer keeps between forwards, if bounded
         if self.budget is not None and bounded and self.policy.active(self):
-            return max(live, self.layer_budgets[layer_idx] + self.headroom)
-        return live + self.growth
+            held = self.layer_budgets[layer_idx]
+        window = self.kinds[layer_idx].window
+        if window is not None:
+            held = window - 1 if held is None else min(held, window - 1)
+        return live + self.growth if held is None else max(live, held + self.headroom)
 
     def note_allocation(self, new_bytes: int) -> None:
         """Called before a layer's buffers are replaced: old and new coexist for a moment, count both."""
@@ -373,6 +411,18 @@ class KVCache(Cache):
             self.observe_seconds[policy.state_key] = self.observe_seconds.get(policy.state_key, 0.0) + (
                 time.perf_counter() - start)
 
+    def slide(self, layer_idx: int) -> None:
+        """Called by the kvbench attention function after each layer's attention (see attention.py)."""
+        if self.slides:
+            self.layers[layer_idx].slide()
+
+    def layer_kinds(self) -> dict[str, int]:
+        """How many layers of each kind (`full`, `sliding`) the model has: the record's `layer_kinds`."""
+        counts: dict[str, int] = {}
+        for kind in self.kinds:
+            counts[kind.name] = counts.get(kind.name, 0) + 1
+        return counts
+
     def adopt(self, shared: KVCache) -> None:
         """Start from a copy of a shared prefill's cache (with this policy's statistics), as if this cache
         had run the prompt itself: same buffers, same layout, so compressing it gives identical results."""
@@ -388,6 +438,7 @@ class KVCache(Cache):
             excess = layer.length - budget
             if excess < slack:
                 continue
+            layer.heads_share_positions = False
             chosen = self.policy.select(layer, budget)
             if chosen is not None:  # uneven heads (Ada-KV): the policy picks the kept set itself
                 before = layer.live_entries()
@@ -398,6 +449,9 @@ class KVCache(Cache):
             padding = layer.padding()
             if padding is not None:  # a batch's padding goes first, whatever the policy protects
                 scores = scores.masked_fill(padding, float("-inf"))
+            unseen = layer.out_of_window()
+            if unseen is not None:  # and on a sliding layer, what no query can see any more
+                scores = scores.masked_fill(unseen, float("-inf"))
             evicted = scores.topk(excess, dim=-1, largest=False, sorted=False).indices
             self.policy.fold(layer, evicted)
             layer.evict(evicted)
@@ -413,6 +467,9 @@ class KVCache(Cache):
         batch, heads, head_dim = self.batch_heads_dim
         layers = [layer for layer in self.layers if layer.is_initialized]
         full_slot = 2 * batch * heads * head_dim * layers[0].dtype.itemsize if layers else 0
+        # a stock cache holds every token of a full layer and the last window - 1 of a sliding one
+        full_entries = sum(layer.seen if layer.kind.window is None else min(layer.seen, layer.kind.window - 1)
+                           for layer in layers)
         lengths = [layer.length for layer in layers] or [0]
         per_head = [layer.live_entries() / (batch * heads) for layer in layers] or [0]
         physical = self.physical_bytes()
@@ -420,7 +477,7 @@ class KVCache(Cache):
             kv_bytes_live=self.live_bytes(),
             kv_bytes_physical=physical,
             kv_bytes_peak=max(self.peak_bytes, physical),
-            kv_bytes_full=sum(layer.seen for layer in layers) * full_slot,
+            kv_bytes_full=full_entries * full_slot,
             kept_mean=sum(per_head) / len(per_head),
             kept_max=max(lengths),
             kept_max_ever=max((layer.max_held for layer in layers), default=0),

@@ -35,7 +35,8 @@ class AttentionRecorder(Policy):
     last: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict, init=False)
 
     def observe(self, layer, query, key, scaling, phase) -> None:
-        (_, probs), = attention_probs(query[:, :, -1:], key, scaling, layer.padding())  # [B, kv, group, 1, n]
+        (_, probs), = attention_probs(query[:, :, -1:], key, scaling, layer.padding(), layer.kind,
+                                       layer.live_positions())  # [B, kv, group, 1, n]
         held = layer.live_positions()
         if layer.padding() is not None:
             held = held.masked_fill(layer.padding(), -1)

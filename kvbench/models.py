@@ -24,6 +24,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from kvbench import attention
+from kvbench.attention import LayerKind
 from kvbench.errors import KvbenchError
 
 EMBEDDED_MODELS = {
@@ -35,9 +36,23 @@ EMBEDDED_PARAMETERS = {"smollm2-135m": 134_515_008}
 
 _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=512, max_position_embeddings=32768)
+# the families under test (tests/test_architectures.py), windows small enough for ~60-token prompts
+_TINY_WINDOW = 8
 RANDOM_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny-llama": ("llama", _TINY),
     "tiny-qwen2": ("qwen2", _TINY),
+    "tiny-mistral": ("mistral", {**_TINY, "sliding_window": None}),
+    "tiny-mistral-sliding": ("mistral", {**_TINY, "sliding_window": _TINY_WINDOW}),
+    "tiny-qwen3": ("qwen3", {**_TINY, "head_dim": 16}),  # q/k norms
+    "tiny-phi3": ("phi3", {**_TINY, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}),  # fused qkv
+    # soft-capped logits (a cap that bites at random weights), sliding and global layers alternating
+    "tiny-gemma2": ("gemma2", {**_TINY, "head_dim": 16, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 2.0,
+                               "sliding_window": _TINY_WINDOW, "layer_types": ["sliding_attention", "full_attention"]}),
+    # Gemma-3's sliding/global pattern, one KV head, q/k norms
+    "tiny-gemma3": ("gemma3_text", {**_TINY, "head_dim": 16, "query_pre_attn_scalar": 16, "num_hidden_layers": 4,
+                                    "num_key_value_heads": 1, "sliding_window": _TINY_WINDOW,
+                                    "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}),
+    "tiny-mixtral": ("mixtral", {**_TINY, "num_local_experts": 4, "num_experts_per_tok": 2}),  # mixture of experts
     "smollm2-135m": ("llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                    num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                                    max_position_embeddings=8192, tie_word_embeddings=True)),
@@ -54,6 +69,8 @@ RANDOM_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
                                  num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                                  max_position_embeddings=32768)),
 }
+# the layer types of transformers' configs (`config.layer_types`) kvbench drives
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -107,6 +124,10 @@ class LoadedModel:
         return ModelInternals(self.model)
 
     @property
+    def layer_kinds(self) -> list[LayerKind]:
+        return layer_kinds(self.model.config)
+
+    @property
     def num_layers(self) -> int:
         return self.model.config.num_hidden_layers
 
@@ -141,6 +162,39 @@ class LoadedModel:
             "device": str(self.device),
             "parameters": sum(p.numel() for p in self.model.parameters()),
         }
+
+
+def layer_kinds(config: transformers.PretrainedConfig) -> list[LayerKind]:
+    """How each layer attends, read from the config as transformers reads it (`layer_types`, else a
+    `sliding_window` for every layer); a KvbenchError naming the architecture for what kvbench cannot drive."""
+    config = config.get_text_config(decoder=True)
+    architecture = f"model architecture '{config.model_type}'"
+    supported = f"kvbench drives decoder-only models of {' and '.join(SUPPORTED_LAYER_TYPES)} layers"
+    if getattr(config, "is_encoder_decoder", False):
+        raise KvbenchError(f"{architecture} is an encoder-decoder (cross-attention): {supported}")
+    if getattr(config, "kv_lora_rank", None):
+        raise KvbenchError(f"{architecture} caches latent (MLA) keys and values: {supported}")
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        if getattr(config, "attention_chunk_size", None) is not None:
+            layer_types = ["chunked_attention"] * config.num_hidden_layers
+        else:
+            sliding = getattr(config, "sliding_window", None) is not None
+            layer_types = ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
+    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
+    if unsupported:
+        raise KvbenchError(f"{architecture} has {', '.join(unsupported)} layers: {supported}")
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    return [LayerKind(window=config.sliding_window if kind == "sliding_attention" else None, softcap=softcap)
+            for kind in layer_types]
+
+
+def check_model_class(model_class: type) -> None:
+    """Raise KvbenchError when `model_class` does not attend through transformers' attention interface, so the
+    `kvbench` attention would never run."""
+    if not getattr(model_class, "_supports_attention_backend", False):
+        raise KvbenchError(f"model class '{model_class.__name__}' does not take a custom attention implementation: "
+                           f"kvbench drives models whose attention runs through transformers' attention interface")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -178,6 +232,11 @@ def load_model(spec: str, dtype: str = "auto", device: str = "auto", device_map:
         model, tokenizer = _random_model(spec.removeprefix("random:"), torch_dtype, target, seed)
     else:
         source = _local_source(spec)
+        try:
+            layer_kinds(AutoConfig.from_pretrained(source))  # an unsupported architecture stops before its weights
+        except (OSError, ValueError) as exc:
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise KvbenchError(f"could not load model '{spec}': {first_line}") from None
         kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attention.ATTENTION_NAME}
         if device_map:
             kwargs["device_map"] = device_map
@@ -189,6 +248,7 @@ def load_model(spec: str, dtype: str = "auto", device: str = "auto", device_map:
             raise KvbenchError(f"could not load model '{spec}': {first_line}") from None
         if not device_map:
             model.to(target)
+    check_model_class(type(model))
     model.eval()
     forward_params = inspect.signature(model.forward).parameters
     return LoadedModel(
@@ -290,6 +350,8 @@ def _random_config(shape: str) -> transformers.PretrainedConfig:
 
 def _random_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int):
     config = _random_config(shape)
+    layer_kinds(config)
+    check_model_class(AutoModelForCausalLM._model_mapping[type(config)])
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention.ATTENTION_NAME)

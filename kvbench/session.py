@@ -14,8 +14,8 @@ where only a decode-time policy evicts (every `evict_every` tokens). A generated
 comes next, so a conversation continues exactly where its reply stopped.
 
 Positions are true token positions (RoPE continues at the number of tokens seen), while the mask is sized by
-the cache's own length. A left-padded batch is one session too: each row counts positions from its first
-real token, padding is masked and evicted first.
+the cache's own length (a sliding-window layer's is built from the true positions). A left-padded batch is one
+session too: each row counts positions from its first real token, padding is masked and evicted first.
 """
 
 from __future__ import annotations
@@ -123,7 +123,8 @@ class Session:
         self.cache = KVCache(lm.num_layers, (self.rows, lm.kv_heads, lm.head_dim), policy, self.budget,
                              evict_every=settings.evict_every, headroom=headroom, growth=growth,
                              observers=observers, limit_bytes=settings.kv_limit_bytes, prompt_tokens=prompt_tokens,
-                             left_padding=left_padding if padded else None, model=lm.internals)
+                             left_padding=left_padding if padded else None, model=lm.internals,
+                             kinds=lm.layer_kinds)
         self.logits: torch.Tensor | None = None  # [rows, vocab]: the prediction of the next token
         self.pending: list[int] = []  # a generated token not fed yet: it goes in front of what comes next
         self.shared: SharedPrefill | None = None
@@ -252,7 +253,11 @@ class Session:
         """Feed `ids` for their attention statistics only (the observers see them), then forget them: the cache
         holds what it held before, its peak counts them. KVzip's reconstruction runs this way."""
         ids = ids.to(self.lm.device) if isinstance(ids, torch.Tensor) else torch.tensor([ids], device=self.lm.device)
-        self._forward(ids)
+        self.cache.slides = False  # a sliding layer must keep its window for the tokens that come after the probe
+        try:
+            self._forward(ids)
+        finally:
+            self.cache.slides = True
         for layer in self.cache.layers:
             layer.truncate(ids.shape[1])
 
@@ -395,6 +400,7 @@ def cache_measurements(cache: KVCache, memory: PeakMemory, earlier: list[PeakMem
             # the limit bounds the cache; what the process grew by says whether the rest fit too
             "mem_growth_over_limit": memory.peak_bytes - memory.baseline_bytes > cache.limit_bytes}),
         "prefill_shared": shared,
+        "layer_kinds": cache.layer_kinds(),
     }
 
 

@@ -25,7 +25,8 @@ class H2O(Policy):
 
     def observe(self, layer, query, key, scaling, phase) -> None:
         # every query's attention counts, the prompt's included; scores leave with evicted entries
-        layer.slot_stat(self.state_key).add_(attention_received(query, key, scaling, layer.padding()))
+        layer.slot_stat(self.state_key).add_(attention_received(query, key, scaling, layer.padding(), layer.kind,
+                                                                 layer.live_positions()))
 
     def score(self, layer, budget: int) -> torch.Tensor:
         recent = round(budget * self.recent_ratio)

@@ -81,7 +81,8 @@ class KVzip(Policy):
         # the repetition's queries see the sinks, their chunk and themselves (the newest slots, causally)
         seen = torch.cat([sinks, context, torch.arange(layer.length - own, layer.length, device=key.device)])
         best = torch.zeros(key.shape[:2] + (len(context),), device=key.device)
-        for _, probs in attention_probs(query, key[:, :, seen], scaling):
+        for _, probs in attention_probs(query, key[:, :, seen], scaling, kind=layer.kind,
+                                        positions=layer.live_positions()[:, :, seen]):
             chunk_best = probs[..., len(sinks) : len(sinks) + len(context)].amax(dim=(2, 3))
             torch.maximum(best, chunk_best, out=best)
         layer.slot_stat(self.state_key)[:, :, context] = best

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.attention import attention_probs
+from kvbench.attention import attention_probs, window_visible
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import Policy, positive, protect, recent_mask, register
 
@@ -37,12 +37,17 @@ class Scissorhands(Policy):
         ring = layer.slot_stat(self.state_key, width=self.history, dtype=torch.bool)
         n = key.shape[2]
         weights = key.new_zeros((key.shape[0], key.shape[1], count, n), dtype=torch.float32)
-        for start, probs in attention_probs(query[:, :, -count:], key, scaling, layer.padding()):
+        for start, probs in attention_probs(query[:, :, -count:], key, scaling, layer.padding(),
+                                            layer.kind, layer.live_positions()):
             # each KV head's query heads averaged; chunks see up to their last query's slot
             weights[:, :, start : start + probs.shape[3], : probs.shape[-1]] = probs.mean(dim=2)
         seen_by = torch.arange(n - count, n, device=key.device) + 1  # entries the i-th query sees
         visible = torch.arange(n, device=key.device)[None, :] < seen_by[:, None]
-        unimportant = (weights < 1.0 / seen_by[:, None].to(weights.dtype)) & visible
+        if layer.kind.window is not None:  # a sliding layer's query sees only its window
+            positions = layer.live_positions()
+            visible = visible & window_visible(positions, positions[..., n - count :], layer.kind.window)
+            seen_by = visible.sum(dim=-1)
+        unimportant = (weights < 1.0 / seen_by[..., None].to(weights.dtype)) & visible
         columns = (torch.arange(layer.seen - count, layer.seen, device=key.device)) % self.history
         ring[..., columns] = unimportant.transpose(-1, -2)
 

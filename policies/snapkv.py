@@ -39,7 +39,8 @@ class SnapKV(Policy):
         window_queries = query[:, :, -self.window :]
         votes = layer.slot_stat(self.state_key)
         votes.zero_()
-        for _, probs in attention_probs(window_queries, key, scaling, layer.padding()):
+        for _, probs in attention_probs(window_queries, key, scaling, layer.padding(), layer.kind,
+                                       layer.live_positions()):
             votes[..., : probs.shape[-1]] += probs.sum(dim=(2, 3))
 
     def score(self, layer, budget: int) -> torch.Tensor:

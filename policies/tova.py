@@ -18,7 +18,8 @@ class TOVA(Policy):
     per_head: bool = False  # one choice per KV head (its query heads averaged) instead of one per layer
 
     def observe(self, layer, query, key, scaling, phase) -> None:
-        (_, probs), = attention_probs(query[:, :, -1:], key, scaling, layer.padding())  # [B, kv, group, 1, n]
+        (_, probs), = attention_probs(query[:, :, -1:], key, scaling, layer.padding(), layer.kind,
+                                       layer.live_positions())  # [B, kv, group, 1, n]
         weights = probs[:, :, :, 0].mean(dim=2)
         if not self.per_head:
             weights = weights.mean(dim=1, keepdim=True).expand_as(weights)

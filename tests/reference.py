@@ -16,17 +16,27 @@ NAME = "kvbench_reference"
 
 class MaskedEagerAttention:
     """Eager attention over all slots of a stock cache (slot index == position), where each layer's
-    KV head may only see `allowed[layer]` `[kv_heads, n_old]` of the old slots; records the weights."""
+    KV head may only see `allowed[layer]` `[kv_heads, n_old]` of the old slots; records the weights and each
+    layer's sliding window. The model's own attention says how a layer attends: a `sliding_window` W lets a query
+    see the W positions up to its own, a `softcap` caps the logits (cap * tanh(logits / cap))."""
 
     def __init__(self) -> None:
         self.allowed: dict[int, torch.Tensor] = {}
         self.weights: dict[int, torch.Tensor] = {}
+        self.windows: dict[int, int | None] = {}
 
-    def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None,
+                 **kwargs):
         group = module.num_key_value_groups
         q_len, n = query.shape[2], key.shape[2]
         logits = query @ repeat_kv(key, group).transpose(-1, -2) * scaling
-        visible = torch.arange(n)[None, :] <= (torch.arange(q_len) + n - q_len)[:, None]
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        query_positions = (torch.arange(q_len) + n - q_len)[:, None]
+        visible = torch.arange(n)[None, :] <= query_positions
+        if sliding_window is not None:
+            visible &= torch.arange(n)[None, :] > query_positions - sliding_window
+        self.windows[module.layer_idx] = sliding_window
         visible = visible[None, None].expand(1, query.shape[1], q_len, n).clone()
         if module.layer_idx in self.allowed:
             old = self.allowed[module.layer_idx]
@@ -75,7 +85,8 @@ def simulate(lm, prompt: list[int], decode: list[int], rule, cache: DynamicCache
     step `rule(layer, weights, alive, seen, new)` returns the layer's kept mask `[kv_heads, seen]` given the
     step's attention weights `[H, q, seen]` and `alive` (kept so far plus the `new` tokens).
     Returns the kept masks per step (after the prompt, after each decode token), per layer. `cache`: the stock
-    cache to run in (a rule may read its keys)."""
+    cache to run in (a rule may read its keys). On a sliding layer, `alive` has already lost the positions the next
+    query cannot see."""
     kept = {layer: torch.ones(lm.kv_heads, 0, dtype=torch.bool) for layer in range(lm.num_layers)}
     cache, history, seen = DynamicCache() if cache is None else cache, [], 0
     with reference_attention(lm) as attention:
@@ -85,6 +96,8 @@ def simulate(lm, prompt: list[int], decode: list[int], rule, cache: DynamicCache
             seen += len(ids)
             for layer in range(lm.num_layers):
                 alive = torch.cat([kept[layer], torch.ones(lm.kv_heads, len(ids), dtype=torch.bool)], dim=1)
+                if attention.windows[layer] is not None:
+                    alive &= torch.arange(seen) > seen - attention.windows[layer]
                 kept[layer] = rule(layer, attention.weights[layer][0], alive, seen, len(ids))
             history.append([mask.clone() for mask in kept.values()])
     return history
@@ -101,11 +114,11 @@ def h2o_reference(lm, prompt: list[int], decode: list[int], budget: int, recent:
         scores[layer][:, :seen] += received(weights[None], lm.kv_heads)
         if prefill_kept is not None and seen == len(prompt):
             return prefill_kept[layer].clone()
-        if int(alive[0].sum()) <= budget:
-            return alive
         is_recent = torch.arange(seen) >= seen - recent
         protected = alive & is_recent  # recent entries still held (another policy may have dropped some)
+        # per head: a sliding window may have dropped more from one head than from another
         return torch.stack([
+            alive[h] if int(alive[h].sum()) <= budget else
             top_set(scores[layer][h, :seen], alive[h] & ~is_recent, budget - int(protected[h].sum())) | protected[h]
             for h in range(lm.kv_heads)
         ])
@@ -117,16 +130,20 @@ def h2o_reference(lm, prompt: list[int], decode: list[int], budget: int, recent:
 def snapkv_reference(lm, prompt: list[int], window: int, kernel: int, pooling: str) -> list[torch.Tensor]:
     """Per layer, the `[kv_heads, prefix]` SnapKV scores of the prompt: the last `window` queries'
     attention to the prefix, summed over those queries and each KV head's query heads, then pooled.
-    The policy keeps the top `budget - window` of them plus the window."""
+    The policy keeps the top `budget - window` of them plus the window. On a sliding layer of window W the prefix
+    is what the next query still sees (from position n - W + 1), pooled over only those; earlier positions score
+    -inf."""
     n = len(prompt)
     with reference_attention(lm) as attention:
         stock_forward(lm, DynamicCache(), prompt, 0)
     scores = []
     for layer in range(lm.num_layers):
-        weights = attention.weights[layer][0, :, n - window :, : n - window]  # [H, window, prefix]
-        votes = weights.sum(dim=1).view(lm.kv_heads, -1, n - window).sum(dim=1)
+        first = 0 if attention.windows[layer] is None else max(0, n - attention.windows[layer] + 1)
+        weights = attention.weights[layer][0, :, n - window :, first : n - window]  # [H, window, prefix]
+        votes = weights.sum(dim=1).view(lm.kv_heads, -1, n - window - first).sum(dim=1)
         pool = F.max_pool1d if pooling == "max" else F.avg_pool1d
-        scores.append(pool(votes[:, None], kernel, stride=1, padding=kernel // 2)[:, 0])
+        pooled = pool(votes[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
+        scores.append(torch.cat([torch.full((lm.kv_heads, first), float("-inf")), pooled], dim=1))
     return scores
 
 
