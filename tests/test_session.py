@@ -139,23 +139,45 @@ def test_decode_needs_a_prediction_and_measurements_a_with_block(tiny_llama):
         session.measurements()
 
 
-def test_the_readme_task_runs_on_session_calls(tiny_llama):
-    """README's "Adding a task" example, executed as written."""
+def documented_example(marker: str) -> str:
+    """The python block of docs/extending.md that contains `marker`."""
     import re
     from pathlib import Path
 
+    page = (Path(__file__).parent.parent / "docs" / "extending.md").read_text()
+    return next(block for block in re.findall(r"```python\n(.*?)```", page, re.S) if marker in block)
+
+
+def test_the_documented_task_runs_on_session_calls(tiny_llama):
+    """docs/extending.md's "Adding a task" example, executed as written."""
     from kvbench.tasks import TASKS, Sample
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    code = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "class AskTwice" in block)
     if "ask_twice" not in TASKS.names():
-        exec(compile(code, "README.md", "exec"), {})
+        exec(compile(documented_example("class AskTwice"), "docs/extending.md", "exec"), {})
     task = TASKS.build("ask_twice")
     sample = Sample("s0", context=" ".join(["word"] * 60), question="", answers=["x"],
                     meta={"questions": ["one?", "two?"]})
     generation = task.run(tiny_llama, build_policy("window"), sample, RunSettings(budget=32))
     assert generation.prediction.count("|") == 1 and generation.measurements["kept_max"] <= 33
     assert task.score(generation.prediction, sample)["score"] in (0.0, 1.0)
+
+
+def test_the_documented_policy_keeps_what_it_says(tiny_llama):
+    """docs/extending.md's "Adding a policy" example, executed as written: its score (the position) keeps the
+    newest entries, as `window` does."""
+    from kvbench.policies import POLICIES
+
+    if "oldest_first" not in POLICIES.names():
+        exec(compile(documented_example("class OldestFirst"), "docs/extending.md", "exec"), {})
+    prompt, decode = random_ids(80, seed=3), random_ids(6, seed=4)
+    kept = []
+    for name in ("oldest_first", "window"):
+        session = Session(tiny_llama, build_policy(name), RunSettings(budget=24), prompt_tokens=len(prompt), growth=8)
+        session.prefill(prompt)
+        for token in decode:
+            session.step(token)
+        kept.append([layer.live_positions().sort(dim=-1).values for layer in session.cache.layers])
+    assert all(torch.equal(a, b) for a, b in zip(*kept, strict=True))
 
 
 def test_a_shared_prefill_bills_each_policys_statistics_to_it_alone(tiny_llama, monkeypatch):
