@@ -37,3 +37,18 @@ def run_cache(lm, policy, prompt, decode, budget, chunk=None, evict_every=1):
     """`run_session`'s cache and kept masks."""
     session, history = run_session(lm, policy, prompt, decode, budget, chunk, evict_every)
     return session.cache, history
+
+
+def assert_rejected_in_one_line(config, culprit: str, run) -> None:
+    """`kvbench validate` and `kvbench sweep` of a bad config: exit code 2, one line naming `culprit`, no run
+    folder written."""
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    for command in (["validate", str(config)], ["sweep", str(config), "-o", str(run)]):
+        result = CliRunner().invoke(app, command)
+        assert result.exit_code == 2, result.output
+        assert culprit in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+    assert not run.exists()

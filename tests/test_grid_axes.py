@@ -18,6 +18,7 @@ from kvbench.config import load_config
 from kvbench.results import RunFolder
 from kvbench.summary import summarize
 from kvbench.sweep import expand
+from tests.helpers import assert_rejected_in_one_line
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parent.parent
@@ -259,9 +260,4 @@ BAD = [
 @pytest.mark.parametrize("text,culprit", BAD)
 def test_bad_models_and_dtypes_are_one_line_errors_with_exit_2(tmp_path, text, culprit):
     path = write_config(tmp_path, text, "bad.yaml")
-    for command in (["validate", str(path)], ["sweep", str(path), "-o", str(tmp_path / "run")]):
-        result = runner.invoke(app, command)
-        assert result.exit_code == 2, result.output
-        assert culprit in result.output, result.output
-        assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
-    assert not (tmp_path / "run").exists()
+    assert_rejected_in_one_line(path, culprit, tmp_path / "run")

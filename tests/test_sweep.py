@@ -20,6 +20,7 @@ from kvbench.config import load_config
 from kvbench.results import RunFolder
 from kvbench.summary import summarize
 from kvbench.sweep import expand
+from tests.helpers import assert_rejected_in_one_line
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parent.parent
@@ -244,12 +245,7 @@ BAD = [
 def test_bad_configs_are_one_line_errors_with_exit_2(tmp_path, text, culprit):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
-    for command in (["validate", str(path)], ["sweep", str(path), "-o", str(tmp_path / "run")]):
-        result = runner.invoke(app, command)
-        assert result.exit_code == 2, result.output
-        assert culprit in result.output, result.output
-        assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
-    assert not (tmp_path / "run").exists()
+    assert_rejected_in_one_line(path, culprit, tmp_path / "run")
 
 
 def test_bad_set_and_missing_config(tmp_path):
