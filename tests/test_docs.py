@@ -71,6 +71,8 @@ def test_every_config_the_docs_show_validates(where, block, tmp_path):
 
 @pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_validates(config):
+    if "../shared/" in config.read_text() and not (ROOT.parent / "shared").is_dir():
+        pytest.skip("reads ../shared/data, which is not next to this checkout")
     assert expand(load_config(config))
 
 
