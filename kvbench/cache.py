@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -418,10 +419,7 @@ class KVCache(Cache):
 
     def layer_kinds(self) -> dict[str, int]:
         """How many layers of each kind (`full`, `sliding`) the model has: the record's `layer_kinds`."""
-        counts: dict[str, int] = {}
-        for kind in self.kinds:
-            counts[kind.name] = counts.get(kind.name, 0) + 1
-        return counts
+        return dict(Counter(kind.name for kind in self.kinds))
 
     def adopt(self, shared: KVCache) -> None:
         """Start from a copy of a shared prefill's cache (with this policy's statistics), as if this cache

@@ -3,8 +3,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers.models.llama.modeling_llama import rotate_half
 
-from kvbench.attention import chunk_elements
+from kvbench.attention import queries_per_chunk
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import Policy, protect, register
 
@@ -71,7 +72,7 @@ class ExpectedAttention(Policy):
             return
         positions = _query_positions(layer, query.shape[2])
         cos, sin = layer.owner.model.rotary(query, positions.clamp(min=0))
-        plain = query.float() * cos[:, None] - _rotate_half(query.float()) * sin[:, None]  # R(p)^T q
+        plain = query.float() * cos[:, None] - rotate_half(query.float()) * sin[:, None]  # R(p)^T q
         moments = layer.layer_stats.get(self.state_key)
         if moments is None:
             batch, heads, _, dim = query.shape
@@ -110,7 +111,7 @@ class ExpectedAttention(Policy):
     def _future_rotation(self, layer, like: torch.Tensor) -> torch.Tensor:
         """RoPE's rotation matrix averaged over the next `n_future_positions` positions, per row `[B, D, D]`."""
         batch, dim = like.shape[0], like.shape[-1]
-        start = torch.as_tensor(layer.next_position(), device=like.device).reshape(-1)[:, None]
+        start = _next_positions(layer)
         positions = (start + torch.arange(self.n_future_positions, device=like.device)).expand(batch, -1)
         cos, sin = layer.owner.model.rotary(like, positions)
         half = dim // 2
@@ -129,7 +130,7 @@ class ExpectedAttention(Policy):
         logits = torch.einsum("bkgd,bknd->bkgn", mean, keys) * scaling
         if covariance is not None:
             covariance = covariance.view(batch, kv_heads, group, dim, dim)
-            block = max(1, chunk_elements(keys.device) // max(1, batch * kv_heads * group * dim))
+            block = queries_per_chunk(batch, kv_heads * group, n, dim, keys.device)
             for start in range(0, n, block):
                 part = keys[:, :, start : start + block]
                 spread = torch.einsum("bknd,bkgde,bkne->bkgn", part, covariance, part)
@@ -141,15 +142,14 @@ class ExpectedAttention(Policy):
         return logits.softmax(dim=-1).nan_to_num(0.0).mean(dim=2)
 
 
+def _next_positions(layer) -> torch.Tensor:
+    """`[B, 1]`: the position each row's next token takes."""
+    return torch.as_tensor(layer.next_position(), device=layer.device).reshape(-1)[:, None]
+
+
 def _query_positions(layer, count: int) -> torch.Tensor:
     """`[B, count]` positions of the newest `count` tokens (negative on a left-padded row's padding)."""
-    newest = torch.as_tensor(layer.next_position(), device=layer.device).reshape(-1)[:, None]
-    return newest - count + torch.arange(count, device=layer.device)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
+    return _next_positions(layer) - count + torch.arange(count, device=layer.device)
 
 
 def _remember(moments: QueryMoments, queries: torch.Tensor, size: int) -> None:
