@@ -477,7 +477,8 @@ def generate_batch(lm: LoadedModel, policy: Policy, prompts: list[list[int]], se
     return rows, {**session.measurements(), "batch": len(prompts)}
 
 
-def shared_prefill(lm: LoadedModel, ids: list[int], observers: list[Policy]) -> SharedPrefill:
+def shared_prefill(lm: LoadedModel, ids: list[int], observers: list[Policy],
+                   settings: list[RunSettings] | None = None) -> SharedPrefill:
     """The prompt's forward once, gathering every `observers` policy's statistics, for cells to adopt."""
     from kvbench.policies.full import Full
 

@@ -350,7 +350,8 @@ def _shared(lm: LoadedModel, cells: list[Cell], sample: Sample, question: str) -
     users = [cell for cell in cells if _sharable(cell)]
     if not users:
         return None
-    return shared_prefill(lm, compressed_prompt(lm, sample, question), [cell.policy() for cell in users])
+    return shared_prefill(lm, compressed_prompt(lm, sample, question), [cell.policy() for cell in users],
+                          [cell.settings() for cell in users])
 
 
 def _fail(folder: RunFolder, progress: Progress, failed: dict[str, dict[str, Any]], cell: Cell,

@@ -428,11 +428,11 @@ def test_a_failing_shared_forward_records_its_cells_and_the_sweep_goes_on(tmp_pa
 
     real, calls = kvbench.sweep.shared_prefill, []
 
-    def shared_prefill(lm, ids, observers):
+    def shared_prefill(lm, ids, observers, settings=None):
         calls.append(len(ids))
         if len(calls) == 1:  # the first sample's prompt forward fails
             raise failure
-        return real(lm, ids, observers)
+        return real(lm, ids, observers, settings)
 
     monkeypatch.setattr(kvbench.sweep, "shared_prefill", shared_prefill)
     config = {**TINY, "context_lengths": [260, 300], "samples": 1, "tasks": [{"name": "niah", "depths": [0.5]}],
