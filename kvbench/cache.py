@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
@@ -73,7 +74,9 @@ class LayerKV(CacheLayerMixin):
 
     def __init__(self, owner: KVCache, layer_idx: int) -> None:
         super().__init__()
-        self.owner = owner
+        # by weak reference: a cache and its layers form no reference cycle, so a finished cell's cache is freed
+        # the moment its last user lets go (a cycle would hold it until the garbage collector runs)
+        self._owner = weakref.ref(owner)
         self.layer_idx = layer_idx
         self.kind: LayerKind = owner.kinds[layer_idx]
         # every KV head holds the same positions in the same slots (until a policy evicts per head): one mask row
@@ -85,6 +88,13 @@ class LayerKV(CacheLayerMixin):
         self.positions: torch.Tensor | None = None  # [batch, kv_heads, capacity] int64
         self.slot_stats: dict[str, torch.Tensor] = {}  # per-slot policy state, moved with the slots
         self.layer_stats: dict[str, Any] = {}  # per-layer policy state (query statistics), copied with the layer
+        # the buffers are a shared prefill's (see `borrow`): read in place, never written; the first write moves
+        # what this layer keeps into buffers of its own
+        self.borrowed = False
+
+    @property
+    def owner(self) -> KVCache:
+        return self._owner()
 
     # --- transformers Cache layer protocol -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -104,7 +114,7 @@ class LayerKV(CacheLayerMixin):
     def _append(self, new: int) -> int:
         """Slots, positions and zeroed statistics for `new` tokens; returns the first new slot."""
         start, end = self.length, self.length + new
-        if end > self.capacity:
+        if end > self.capacity or self.borrowed:
             self._reallocate(self.owner.capacity_for(end, self.layer_idx))
         positions = torch.arange(self.seen, self.seen + new, device=self.device)
         pad = self.owner.left_padding
@@ -125,10 +135,8 @@ class LayerKV(CacheLayerMixin):
 
     def copy_from(self, other: LayerKV, stats: list[str]) -> None:
         """Hold a copy of `other`'s entries and of those of its per-slot statistics named in `stats`."""
-        self.lazy_initialization(other.keys, other.values)
+        self._take_state(other, stats)
         self._reallocate(self.owner.capacity_for(other.length, self.layer_idx))
-        self.length, self.seen, self.max_held = other.length, other.seen, other.max_held
-        self.heads_share_positions = other.heads_share_positions
         pairs = [(self.positions, other.positions)]
         for name in stats:
             if name in other.slot_stats:
@@ -137,9 +145,29 @@ class LayerKV(CacheLayerMixin):
                 pairs.append((self.slot_stat(name, width, theirs.dtype), theirs))
         for mine, theirs in pairs:
             mine[:, :, : self.length] = theirs[:, :, : self.length]
+        self._adopt_entries(other)
+
+    def borrow(self, other: LayerKV, stats: list[str]) -> None:
+        """Read `other`'s entries and its per-slot statistics named in `stats` in place, as if copied: compressing
+        then gathers only the kept entries into buffers of this layer's own, so a cell of a shared prefill never
+        holds a second full-size copy. `own` copies whatever compression left whole."""
+        self._take_state(other, stats)
+        self.keys, self.values, self.positions = other.keys, other.values, other.positions
+        self.slot_stats = {name: other.slot_stats[name] for name in stats if name in other.slot_stats}
+        self.borrowed = True
+
+    def own(self) -> None:
+        """Copy borrowed entries into buffers of this layer's own (a no-op once it has them)."""
+        if self.borrowed:
+            self._reallocate(self.owner.capacity_for(self.length, self.layer_idx))
+
+    def _take_state(self, other: LayerKV, stats: list[str]) -> None:
+        """`other`'s counters and per-layer statistics: what `copy_from` and `borrow` share."""
+        self.lazy_initialization(other.keys, other.values)
+        self.length, self.seen, self.max_held = other.length, other.seen, other.max_held
+        self.heads_share_positions = other.heads_share_positions
         self.layer_stats.update({name: copy.deepcopy(other.layer_stats[name]) for name in stats
                                  if name in other.layer_stats})
-        self._adopt_entries(other)
 
     def truncate(self, count: int) -> None:
         """Forget the `count` newest tokens, as if never fed (they occupy the last slots: nothing was evicted
@@ -176,6 +204,8 @@ class LayerKV(CacheLayerMixin):
         return 2 * self.owner.batch_heads_dim[2] * self.dtype.itemsize
 
     def physical_bytes(self) -> int:
+        if self.borrowed:  # the shared prefill's bytes, not this cache's
+            return 0
         batch, heads, _ = self.owner.batch_heads_dim
         return self.capacity * batch * heads * self.entry_bytes()
 
@@ -216,11 +246,14 @@ class LayerKV(CacheLayerMixin):
         counts = keep.sum(dim=-1, keepdim=True)
         width = int(counts.max())
         survivors = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices[..., :width]
-        padding = self.slot_stat(PADDING, dtype=torch.bool)  # created before moving, so it moves too
-        for buffer in self._buffers():
-            buffer[:, :, :width] = _take(buffer[:, :, : self.length], survivors)
-        padding[..., :width] = torch.arange(width, device=self.device) >= counts
-        self.length = width
+        self.slot_stat(PADDING, dtype=torch.bool)  # created before moving, so it moves too
+        if self.borrowed:
+            self._reallocate(self.owner.capacity_for(width, self.layer_idx), order=survivors)
+        else:
+            for buffer in self._buffers():
+                buffer[:, :, :width] = _take(buffer[:, :, : self.length], survivors)
+            self.length = width
+        self.slot_stats[PADDING][..., :width] = torch.arange(width, device=self.device) >= counts
         target = self.owner.capacity_for(width, self.layer_idx)
         if self.capacity >= 2 * target:
             self._reallocate(target)
@@ -247,8 +280,9 @@ class LayerKV(CacheLayerMixin):
     def _buffers(self) -> list[torch.Tensor]:
         return [self.keys, self.values, self.positions, *self.slot_stats.values()]
 
-    def _reallocate(self, capacity: int) -> None:
-        """Move the live slots into new buffers of `capacity` slots."""
+    def _reallocate(self, capacity: int, order: torch.Tensor | None = None) -> None:
+        """Move the live slots into new buffers of `capacity` slots; with `order` `[batch, heads, k]`, only those
+        slots, in that order (a borrowed layer's compression: the kept entries go straight into its own buffers)."""
         batch, heads, _ = self.owner.batch_heads_dim
         old = None if self.positions is None else self._buffers()
         self.owner.note_allocation(capacity * batch * heads * self.entry_bytes())
@@ -258,9 +292,15 @@ class LayerKV(CacheLayerMixin):
             name: torch.zeros((batch, heads, capacity) + stat.shape[3:], dtype=stat.dtype, device=self.device)
             for name, stat in self.slot_stats.items()
         }
+        self.borrowed = False
         if old is not None:
             for src, dst in zip(old, self._buffers(), strict=True):
-                dst[:, :, : self.length] = src[:, :, : self.length]
+                if order is None:
+                    dst[:, :, : self.length] = src[:, :, : self.length]
+                else:
+                    dst[:, :, : order.shape[-1]] = _take(src[:, :, : self.length], order)
+        if order is not None:
+            self.length = order.shape[-1]
 
     def _allocate_entries(self, capacity: int) -> None:
         """The K/V buffers of `capacity` slots (their contents are copied in by `_reallocate`)."""
@@ -287,6 +327,11 @@ class LayerKV(CacheLayerMixin):
                 movers = keep + torch.sort(gone[..., keep:].to(torch.int8), dim=-1, stable=True).indices
                 real = torch.arange(e, device=self.device) < gone[..., :keep].sum(-1, keepdim=True)
                 sources = torch.where(real, movers, holes)  # past the last hole: a slot onto itself
+        if self.borrowed:  # the same slot order, gathered into buffers of its own at the size it keeps
+            order = torch.arange(self.length, device=self.device).expand(*evicted.shape[:2], self.length)
+            self._reallocate(self.owner.capacity_for(keep, self.layer_idx),
+                             order=order.scatter(-1, holes, sources)[..., :keep])
+            return
         for buffer in self._buffers():
             live = buffer[:, :, : self.length]
             live.scatter_(2, _expand(holes, buffer), _take(live, sources))  # gather copies before writing
@@ -294,6 +339,14 @@ class LayerKV(CacheLayerMixin):
         target = self.owner.capacity_for(keep, self.layer_idx)
         if self.capacity >= 2 * target:  # give back the memory a long prompt needed
             self._reallocate(target)
+
+
+def _folds(policy: Policy) -> bool:
+    """Whether `policy` (or a stage of it) folds evicted entries into kept ones, writing into the cache."""
+    from kvbench.policies.base import Policy
+
+    stages = getattr(policy, "_stages", ())
+    return any(map(_folds, stages)) if stages else type(policy).fold is not Policy.fold
 
 
 def _expand(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -358,6 +411,7 @@ class KVCache(Cache):
         self.phase = phase  # from here on the session's to set (kvbench/session.py)
         self.evictions = 0
         self.peak_bytes = 0
+        self.folds = _folds(policy)
         layout = policy.layout()  # compressed storage, or None: plain slots in the model dtype
         if layout is not None:
             if any(kind.window is not None for kind in self.kinds):
@@ -366,6 +420,14 @@ class KVCache(Cache):
                 raise KvbenchError(f"policy '{policy.name}': compressed storage runs at batch 1")
             layout.fit(batch_heads_dim[2])
         super().__init__(layers=[layout.layer(self, i) if layout else LayerKV(self, i) for i in range(num_layers)])
+
+    def __deepcopy__(self, memo: dict) -> KVCache:
+        twin = copy.copy(self)
+        memo[id(self)] = twin
+        twin.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        for layer in twin.layers:
+            layer._owner = weakref.ref(twin)
+        return twin
 
     @property
     def model(self) -> ModelInternals:
@@ -422,10 +484,21 @@ class KVCache(Cache):
         return dict(Counter(kind.name for kind in self.kinds))
 
     def adopt(self, shared: KVCache) -> None:
-        """Start from a copy of a shared prefill's cache (with this policy's statistics), as if this cache
-        had run the prompt itself: same buffers, same layout, so compressing it gives identical results."""
+        """Start from a shared prefill's cache (with this policy's statistics), as if this cache had run the prompt
+        itself, so compressing it gives identical results. Plain layers borrow the shared entries (compression
+        gathers the kept ones into this cache's own buffers: the shared cache plus the compressed one, never two
+        full copies); compressed-storage layers encode a copy. Call `own_entries` after compressing."""
         for mine, theirs in zip(self.layers, shared.layers, strict=True):
-            mine.copy_from(theirs, stats=self.policy.state_keys())
+            if type(mine) is LayerKV:
+                mine.borrow(theirs, stats=self.policy.state_keys())
+            else:
+                mine.copy_from(theirs, stats=self.policy.state_keys())
+
+    def own_entries(self) -> None:
+        """Copy what compression left borrowed (a layer it did not shrink) into buffers of this cache's own."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.own()
 
     def compress(self) -> None:
         """Evict down to the budget: always after a prefill chunk, every `evict_every` tokens in decode."""
@@ -451,6 +524,8 @@ class KVCache(Cache):
             if unseen is not None:  # and on a sliding layer, what no query can see any more
                 scores = scores.masked_fill(unseen, float("-inf"))
             evicted = scores.topk(excess, dim=-1, largest=False, sorted=False).indices
+            if self.folds:  # a merging policy writes into the entries that stay
+                layer.own()
             self.policy.fold(layer, evicted)
             layer.evict(evicted)
             self.evictions += evicted.numel()

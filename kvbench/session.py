@@ -20,9 +20,12 @@ session too: each row counts positions from its first real token, padding is mas
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import json
 import statistics
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, NamedTuple
@@ -87,12 +90,16 @@ class Scored(NamedTuple):
 @dataclass
 class SharedPrefill:
     """One forward over a prompt, gathering every listed policy's statistics; each cell of a sweep that
-    compresses this prompt starts from a copy of its cache instead of running the prompt again."""
+    compresses this prompt starts from its cache instead of running the prompt again (compressing straight
+    from it into buffers of its own). Cells that compress it the same way (policy, resolved budget) share that
+    too: `wanted` counts them, and the first one's result is kept in `compressed` for the others to copy."""
 
     cache: KVCache
     logits: torch.Tensor
     seconds: float
     memory: PeakMemory
+    wanted: Counter[str] = dataclasses.field(default_factory=Counter)
+    compressed: dict[str, tuple[Policy, KVCache, float]] = dataclasses.field(default_factory=dict)
 
     def seconds_for(self, policy: Policy) -> float:
         """The forward's time without the other policies' statistics: what `policy` alone would have spent."""
@@ -129,7 +136,7 @@ class Session:
         self.pending: list[int] = []  # a generated token not fed yet: it goes in front of what comes next
         self.shared: SharedPrefill | None = None
         self.memory: PeakMemory | None = None
-        self.earlier: list[PeakMemory] = []  # peaks this state grew out of: a shared prefill's, a fork's parent's
+        self.earlier: list[PeakMemory] = []  # peaks this state grew out of: a fork's parent's
         self.prefill_s = 0.0  # prefill, append and score time
         self.ttft_s: float | None = None
         self.step_s: list[float] = []  # each one-token step (decode, or scoring one token at a time)
@@ -160,7 +167,7 @@ class Session:
                       rows=self.rows),
             "budget_tokens": self.budget,
             "budget_scope": scope,
-            **cache_measurements(self.cache, self.memory, self.earlier, shared=self.shared is not None),
+            **cache_measurements(self.cache, self.memory, self.earlier, shared=self.shared),
             **self.policy.report(),
         }
 
@@ -177,12 +184,8 @@ class Session:
         if shared is not None:
             if self.settings.prefill == "chunked" or self.seen or shared.cache.layers[0].seen != ids.shape[1]:
                 raise ValueError("a shared prefill serves only a `full` prefill of the same prompt")
-            self.cache.adopt(shared.cache)
             self.logits, self.shared = shared.logits, shared
-            self.earlier.append(shared.memory)
-            self.policy.after_prompt(self, ids)
-            self.cache.compress()
-            own_statistics = shared.seconds_for(self.policy)
+            own_statistics = shared.seconds_for(self.policy) + self._compress_shared(shared, ids, clock)
         else:
             chunk = self.settings.prefill_chunk if self.settings.prefill == "chunked" else ids.shape[1]
             for start in range(0, ids.shape[1], chunk):
@@ -310,6 +313,32 @@ class Session:
         return twin
 
     # --- internals -----------------------------------------------------------------------
+    def _compress_shared(self, shared: SharedPrefill, ids: torch.Tensor, clock: Stopwatch) -> float:
+        """Compress `shared`'s prompt into this session's cache, or copy the result of a cell that compressed it the
+        same way; returns the compression seconds a copy did not spend (charged as if it had)."""
+        wanted = compression_key(self.policy, self.budget)
+        shared.wanted[wanted] -= 1
+        key = json.dumps([wanted, self.cache.headroom, self.cache.growth, self.cache.evict_every])
+        if key in shared.compressed and not self.settings.fidelity:
+            policy, cache, seconds = shared.compressed[key]
+            if shared.wanted[wanted] <= 0:  # the last cell to want it takes it
+                del shared.compressed[key]
+            else:
+                policy, cache = copy.deepcopy((policy, cache))
+            self.policy, self.cache = policy, cache
+            clock.lap()
+            return seconds
+        self.cache.adopt(shared.cache)
+        self.policy.after_prompt(self, ids)
+        self.cache.compress()
+        self.cache.own_entries()
+        if shared.wanted[wanted] > 0 and self.cache.evictions and not self.settings.fidelity:
+            seconds = clock.lap()
+            shared.compressed[key] = (*copy.deepcopy((self.policy, self.cache)), seconds)
+            clock.lap()  # the copy kept for the others is not this cell's work
+            return seconds
+        return 0.0
+
     def _inputs(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         """`[rows, n]` ids on the model's device, the pending token in front."""
         ids = torch.tensor([ids], dtype=torch.long) if isinstance(ids, list) else ids
@@ -383,30 +412,61 @@ def timings(prompt_tokens: int, prefill_s: float, ttft_s: float | None, step_s: 
 
 
 def cache_measurements(cache: KVCache, memory: PeakMemory, earlier: list[PeakMemory] = (),
-                       shared: bool = False) -> dict[str, Any]:
+                       shared: SharedPrefill | None = None) -> dict[str, Any]:
     """The cache's byte accounting and the process's memory peak: the record's memory columns. `earlier` are
-    the peaks of what this cache started from (a shared prefill, a fork's parent): it peaked at least there."""
+    the peaks of what this cache started from (a fork's parent): it peaked at least there. A cell of a `shared`
+    prefill reports its own peak (what it allocated after adopting, on top of what was there before the shared
+    forward) and, as `mem_group_peak_*`, the peak with the shared prefill counted; `kv_bytes_peak` counts the
+    prompt's full cache it compressed from, as a cell run alone holds it, and `kv_bytes_peak_own` its own
+    buffers."""
     stats = cache.stats()
+    memories = [memory, *earlier]
+    peaks = {column: _peak(memories, name) for column, name in MEMORY_PEAKS.items()}
+    own: dict[str, Any] = {}
+    if shared is not None:
+        started = earlier[0] if earlier else memory  # the first session's: entered before adopting
+        own = {column: _own_peak(peaks[column], started, shared.memory, name) for column, name in MEMORY_PEAKS.items()}
+        own.update({column.replace("mem_", "mem_group_"): _peak([*memories, shared.memory], name)
+                    for column, name in MEMORY_PEAKS.items()})
+        own.update(kv_bytes_peak=max(stats.kv_bytes_peak, shared.cache.stats().kv_bytes_peak),
+                   kv_bytes_peak_own=stats.kv_bytes_peak)
     return {
         **asdict(stats),
         "cache_ratio": stats.cache_ratio,
-        "mem_peak_alloc": _peak([memory, *earlier], "peak_bytes"),
-        "mem_peak_reserved": _peak([memory, *earlier], "peak_reserved"),
-        "mem_peak_device": _peak([memory, *earlier], "peak_device"),
+        **peaks,
+        **own,
         "mem_baseline": memory.baseline_bytes,
         "mem_device_note": memory.device_note,
         **({} if cache.limit_bytes is None else {
             "kv_limit_bytes": cache.limit_bytes,
             # the limit bounds the cache; what the process grew by says whether the rest fit too
             "mem_growth_over_limit": memory.peak_bytes - memory.baseline_bytes > cache.limit_bytes}),
-        "prefill_shared": shared,
+        "prefill_shared": shared is not None,
         "layer_kinds": cache.layer_kinds(),
     }
+
+
+# the record's memory peak columns: PeakMemory's peak attribute, whose baseline is the same name with `baseline`
+MEMORY_PEAKS = {"mem_peak_alloc": "peak_bytes", "mem_peak_reserved": "peak_reserved", "mem_peak_device": "peak_device"}
 
 
 def _peak(memories: list[PeakMemory], name: str) -> int | None:
     values = [getattr(memory, name) for memory in memories if getattr(memory, name) is not None]
     return max(values) if values else None
+
+
+def _own_peak(peak: int | None, started: PeakMemory, before: PeakMemory, name: str) -> int | None:
+    """`peak` without what the shared prefill added: the cell's growth since `started` on top of the baseline
+    `before` the shared forward."""
+    baseline = name.replace("peak", "baseline")
+    if peak is None or getattr(started, baseline, None) is None or getattr(before, baseline, None) is None:
+        return None
+    return getattr(before, baseline) + peak - getattr(started, baseline)
+
+
+def compression_key(policy: Policy, budget: int | None) -> str:
+    """What a shared prompt's compression depends on besides the prompt: cells with one key compress it alike."""
+    return json.dumps([policy.describe(), budget], sort_keys=True, default=str)
 
 
 # --- what most tasks need: one prompt, one answer ------------------------------------------------
@@ -485,7 +545,11 @@ def shared_prefill(lm: LoadedModel, ids: list[int], observers: list[Policy],
     session = Session(lm, Full(), RunSettings(), prompt_tokens=len(ids), growth=0, observers=observers)
     with session:
         session.prefill(ids)
-    return SharedPrefill(session.cache, session.logits, session.prefill_s, session.memory)
+    wanted: Counter[str] = Counter()
+    for policy, setting in zip(observers, settings or [], strict=False):
+        with contextlib.suppress(KvbenchError):  # a cell that cannot run this budget fails on its own
+            wanted[compression_key(policy, policy_budget(policy, setting, len(ids), chunked=False))] += 1
+    return SharedPrefill(session.cache, session.logits, session.prefill_s, session.memory, wanted)
 
 
 def _cut(text: str, stop: tuple[str, ...]) -> str:

@@ -15,8 +15,12 @@ from tests.helpers import run_cache
 HEADS, DIM = 3, 4
 
 
+CACHES = []  # a layer refers to its cache weakly: the caches of the layers under test stay alive here
+
+
 def filled_layer(length: int):
     cache = KVCache(1, (1, HEADS, DIM), build_policy("window"), budget=4, headroom=0)
+    CACHES.append(cache)
     layer = cache.layers[0]
     # key/value content encodes (head, position) so survivors can be identified after slots move
     content = torch.arange(HEADS)[:, None] * 1000 + torch.arange(length)[None, :]
