@@ -1,58 +1,44 @@
 #!/usr/bin/env bash
-# The CUDA path in one go (under 8 minutes on one large GPU): device facts, `kvbench estimate`, a timed
-# sweep with NVML traces, a memory-pressure sweep ending in OOMs, an intentional OOM outside the sweep,
-# and one summary. Output goes to $1 (default benchmarks/results/gpu-<date>); commit its check.log.
-set -euo pipefail
+# The CUDA path as a check, on one large GPU: device facts, a timed sweep of a random-weight Llama-3-8B at 32k
+# tokens with NVML traces, a memory-pressure sweep, an intentional OOM outside the sweep, then
+# benchmarks/gpu/check.py judges what they left in OUT ($1, default benchmarks/results/gpu-<date>): one table, and
+# exit 1 if anything is wrong. The log is OUT/check.log; commit it.
+#
+# Time on one H200 (16 cores; expected, not yet measured), each step killed at its budget (check.py then fails it),
+# under 8 minutes in all:
+#   facts, `kvbench estimate`  ~15 s     budget  30 s (+ the estimate, ~5 s)
+#   gpu/sweep.yaml             ~2 min    budget 200 s: random init on the GPU ~20 s, 4 cells x (warm-up + timed run)
+#   gpu/pressure.yaml          ~1.5 min  budget 150 s: 9 cells, the 99% ones out of memory at their first allocation
+#   gpu/oom.py                 ~30 s     budget  60 s
+#   check.py                   ~3 s
+set -uo pipefail  # no -e: a failed step is recorded in OUT/<step>.exit, and the others still run
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results/gpu-$(date +%F)}
+# a check measures afresh: a run folder left in OUT by an earlier check would be resumed, its cells not run again
+rm -rf "$out/sweep" "$out/pressure" "$out/oom.json" "$out"/*.exit
 mkdir -p "$out"
 kvbench=${KVBENCH:-.venv/bin/kvbench}
 python=${PYTHON:-.venv/bin/python}
+
+step() {  # step NAME BUDGET_S COMMAND...: run COMMAND within its budget, its exit status in OUT/NAME.exit
+    local name=$1 budget=$2 started=$SECONDS
+    shift 2
+    timeout "$budget" "$@"
+    local status=$?
+    echo "$status" >"$out/$name.exit"
+    echo "# $name: exit $status after $((SECONDS - started)) s (budget $budget s)"
+}
+
 {
-  echo "# kvbench GPU check, $(date -u +%FT%TZ)"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  "$python" -c "import torch, pynvml; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nvml ok')"
-  "$kvbench" estimate llama-3.2-1b -c 4096 -c 32768 --dtype bfloat16 -b 1024 --device-memory 140GiB
-  time "$kvbench" sweep benchmarks/gpu/sweep.yaml -o "$out/sweep" --trace -q --force
-  time "$kvbench" sweep benchmarks/gpu/pressure.yaml -o "$out/pressure" -q --force
-  "$python" - <<'PY'
-import torch
-from kvbench.models import load_model
-from kvbench.policies import build_policy
-from kvbench.session import RunSettings, generate
-lm = load_model("random:llama-3.2-1b", dtype="bfloat16", device="cuda")
-free = torch.cuda.mem_get_info()[0]
-ids = list(range(1000, 1000 + 131072))  # 128k tokens in one forward: the prompt alone outgrows the cap
-torch.cuda.set_per_process_memory_fraction(0.05)
-try:
-    generate(lm, build_policy("full"), ids, [], RunSettings(), max_new_tokens=1)
-    print("intentional OOM: did NOT happen")
-except torch.OutOfMemoryError as exc:
-    print("intentional OOM: caught:", str(exc).splitlines()[0][:120])
-finally:
-    torch.cuda.set_per_process_memory_fraction(1.0)
-    torch.cuda.empty_cache()
-print(f"after release: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated, free before {free / 2**30:.1f} GiB")
-PY
-  cat "$out/sweep/summary.md" "$out/pressure/summary.md"
-  "$python" - "$out" <<'PY'
-import json, sys, pathlib
-out = pathlib.Path(sys.argv[1])
-gib = lambda v: "" if v is None else f"{v / 2**30:.2f}"
-print("\n| run | policy | context | memory | status | decode tok/s [min, max] | alloc / reserved / device peak GiB |")
-print("|---|---|---:|---|---|---:|---:|")
-for run in ("sweep", "pressure"):
-    for line in (out / run / "records.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        low, high = r.get("decode_tok_s_spread") or (None, None)
-        spread = "" if low is None else f" [{low:.0f}, {high:.0f}]"
-        print(f"| {run} | {r['policy']['name']} | {r['context_length']} | {r['cell'].get('memory', '-')} | ok | "
-              f"{r['decode_tok_s'] or 0:.0f}{spread} | {gib(r['mem_peak_alloc'])} / {gib(r['mem_peak_reserved'])} / "
-              f"{gib(r['mem_peak_device'])} |")
-    for line in (out / run / "cells.jsonl").read_text().splitlines():
-        c = json.loads(line)
-        if c["status"] != "ok":
-            print(f"| {run} | {c['cell']['policy']['name']} | {c['cell']['context_length']} | "
-                  f"{c['cell'].get('memory', '-')} | {c['status']}: {c['message'][:70]} | | |")
-PY
+    echo "# kvbench GPU check, $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    nvidia-smi --query-gpu=name,uuid,pci.bus_id,memory.total,driver_version,mig.mode.current --format=csv
+    # the GPU machines have transformers 5.17: check.py warns when another version ran
+    step facts 30 "$python" -c 'import torch, transformers, pynvml
+print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, "nvml ok")'
+    "$kvbench" estimate llama-3-8b -c 32768 --dtype bfloat16 -b 1024 --device-memory 140GiB
+    step sweep 200 "$kvbench" sweep benchmarks/gpu/sweep.yaml -o "$out/sweep" --trace -q
+    step pressure 150 "$kvbench" sweep benchmarks/gpu/pressure.yaml -o "$out/pressure" -q
+    step oom 60 "$python" benchmarks/gpu/oom.py "$out/oom.json"
+    "$python" benchmarks/gpu/check.py "$out"
 } 2>&1 | tee "$out/check.log"
+exit "${PIPESTATUS[0]}"

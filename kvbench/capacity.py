@@ -81,7 +81,7 @@ def capacity(lm: LoadedModel, policy: Policy, settings: RunSettings, search: Lit
             raise KvbenchError(f"capacity: the corpus has {len(ids)} tokens, fewer than {length}")
         prompts = [ids[i : i + length] for i in range(rows)]  # distinct rows, as a real batch would have
         try:
-            with contextlib.nullcontext() if unlimited else memory_pressure(lm.device, pressure, limit_bytes) \
+            with contextlib.nullcontext() if unlimited else memory_pressure(lm.devices, pressure, limit_bytes) \
                     as kv_limit:
                 limited = settings if kv_limit is None else dataclasses.replace(settings, kv_limit_bytes=kv_limit)
                 _, measured = generate_batch(lm, policy, prompts, limited, max_new_tokens=decode_steps + 1,

@@ -120,6 +120,16 @@ class LoadedModel:
     takes_cache_position: bool
 
     @property
+    def devices(self) -> list[torch.device]:
+        """Every device holding part of the model, `device` first: a model loaded with `device_map` has its layers
+        spread over several (accelerate's `hf_device_map`); timing, peaks and memory caps cover them all."""
+        placement = getattr(self.model, "hf_device_map", None) or {}
+        # accelerate names a GPU by its index; weights offloaded to "disk" run on the execution device
+        placed = [torch.device("cuda", where) if isinstance(where, int) else torch.device(where)
+                  for where in placement.values() if where != "disk"]
+        return list(dict.fromkeys([self.device, *placed]))
+
+    @property
     def internals(self) -> ModelInternals:
         return ModelInternals(self.model)
 

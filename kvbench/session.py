@@ -146,7 +146,7 @@ class Session:
 
     # --- measurement ---------------------------------------------------------------------
     def __enter__(self) -> Session:
-        self.memory = PeakMemory(self.lm.device).__enter__()
+        self.memory = PeakMemory(self.lm.devices).__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -179,7 +179,7 @@ class Session:
         an empty session), start from a copy of its cache instead of running the forward."""
         ids = self._inputs(ids)
         self._enter(Phase.PREFILL)
-        clock = Stopwatch(self.lm.device)
+        clock = Stopwatch(self.lm.devices)
         own_statistics = 0.0
         if shared is not None:
             if self.settings.prefill == "chunked" or self.seen or shared.cache.layers[0].seen != ids.shape[1]:
@@ -202,7 +202,7 @@ class Session:
         """Feed text that arrives after compression (an agnostic question): decode phase, one forward."""
         ids = self._inputs(ids)
         self._enter(Phase.DECODE)
-        clock = Stopwatch(self.lm.device)
+        clock = Stopwatch(self.lm.devices)
         self.logits = self._forward(ids)[:, -1]
         self._compress()
         self.prefill_s += clock.lap()
@@ -214,7 +214,7 @@ class Session:
         next token's logits `[rows, vocab]`."""
         ids = self._inputs([int(token)] if isinstance(token, int) else token.reshape(self.rows, 1))
         self._enter(Phase.DECODE)
-        clock = Stopwatch(self.lm.device)
+        clock = Stopwatch(self.lm.devices)
         self.logits = self._forward(ids)[:, -1]
         self._compress()
         self.step_s.append(clock.lap())
@@ -230,7 +230,7 @@ class Session:
         if self.logits is None:
             raise RuntimeError("decode() needs a prediction: prefill, append or step first")
         eos_ids = torch.tensor(sorted(eos) or [-1])
-        clock = Stopwatch(self.lm.device)
+        clock = Stopwatch(self.lm.devices)
         token = self.logits.argmax(-1).cpu()
         rows = [[t] for t in token.tolist()]
         first_s = clock.lap()
@@ -284,7 +284,7 @@ class Session:
         if before is not None:
             logprobs.append(before.float().log_softmax(-1))
         for start in range(0, fed.shape[1], chunk):
-            clock = Stopwatch(self.lm.device)
+            clock = Stopwatch(self.lm.devices)
             self._enter(Phase.PREFILL if fresh and start == 0 else Phase.DECODE)
             logits = self._forward(fed[:, start : start + chunk], all_logits=True)[0]
             if self.cache.phase is Phase.PREFILL:
