@@ -1,14 +1,22 @@
-"""Prefill cost of the attention statistics: time and extra peak memory of each attention-scored policy
-(h2o, snapkv, tova, scissorhands) relative to `full`, at growing prompt lengths, in one run.
+"""Cost of the attention statistics: prefill time and extra peak memory of each attention-scored policy
+(h2o, snapkv, tova, scissorhands) relative to `full` at growing prompt lengths, and one decode step's time at a
+long cache, in one run.
 
-    python benchmarks/stats_scaling.py [--model random:smollm2-135m] [--layers 4] [--lengths 2048 4096 8192]
+    python benchmarks/stats_scaling.py [--model smollm2-135m] [--layers 4] [--lengths 2048 4096 8192 16384]
+    python benchmarks/stats_scaling.py --model random:llama-3-8b --layers 2
 
 Every length runs each policy `--repeats` times, interleaved (full, h2o, ..., full, h2o, ...), on a random
 prompt; the median prefill time is reported as a ratio over `full`'s, and the peak memory above the
 session's start (GPU: torch's allocator peak; CPU: the process RSS peak, kvbench.measure.PeakMemory) as
 extra MiB over `full`'s. `--layers` keeps the model's first layers only (0: all): at long context a layer's
-attention, and its statistics, are most of the prefill, so the ratios barely depend on it.
-Absolute times on a shared machine are noise; ratios measured together are not.
+attention, and its statistics, are most of the prefill, so the ratios barely depend on it; a `random:` model
+is built with only those layers (an 8B shape at full depth does not fit a small machine).
+The decode table prefills `--decode-length` tokens with a budget of as many tokens, so every cache attends
+the same number of entries and a decode-time policy evicts one entry per step, as in its steady state; it
+reports the median of `--decode-steps` one-token steps against `full`'s (snapkv scores the prompt only).
+Absolute times on a shared machine are noise; ratios measured together are not, until the machine is
+oversubscribed: then `--clock cpu` with `OMP_NUM_THREADS=1` counts the process's CPU seconds instead of wall
+seconds (the work each policy does, whatever share of a core it was given).
 """
 
 from __future__ import annotations
@@ -17,10 +25,12 @@ import argparse
 import ctypes
 import statistics
 import sys
+import time
+from collections.abc import Callable
 
 import torch
 
-from kvbench.models import load_model
+from kvbench.models import RANDOM_SHAPES, LoadedModel, load_model
 from kvbench.policies import build_policy
 from kvbench.session import RunSettings, Session
 
@@ -36,42 +46,60 @@ def release_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
-def prefill(lm, name: str, ids: list[int], budget: float) -> tuple[float, int]:
+def load_layers(spec: str, layers: int) -> LoadedModel:
+    """`spec` with its first `layers` decoder layers only (0: all)."""
+    shape = spec.removeprefix("random:")
+    if layers and spec.startswith("random:") and shape in RANDOM_SHAPES:
+        model_type, params = RANDOM_SHAPES[shape]
+        RANDOM_SHAPES[shape] = (model_type, {**params, "num_hidden_layers": layers})  # never build the rest
+        return load_model(spec)
+    lm = load_model(spec)
+    if layers:  # a Llama/Qwen2-style decoder: drop the later layers
+        lm.model.model.layers = lm.model.model.layers[:layers]
+        lm.model.config.num_hidden_layers = len(lm.model.model.layers)
+    return lm
+
+
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def prefill(lm: LoadedModel, name: str, ids: list[int], budget: float, clock: str) -> tuple[float, int]:
     """(prefill seconds, peak bytes above the start) of one prompt under `name`."""
     release_freed_memory()
     session = Session(lm, build_policy(name), RunSettings(budget=None if name == "full" else budget),
                       prompt_tokens=len(ids))
     with session:
+        start = CLOCKS[clock]()
         session.prefill(ids)
-    return session.prefill_s, session.memory.peak_bytes - session.memory.baseline_bytes
+        seconds = CLOCKS[clock]() - start
+    return seconds, session.memory.peak_bytes - session.memory.baseline_bytes
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="random:smollm2-135m")
-    parser.add_argument("--layers", type=int, default=4, help="keep the first layers only (0: all)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
-    parser.add_argument("--budget", type=float, default=0.25, help="kept share of the prompt (or tokens if >= 1)")
-    parser.add_argument("--repeats", type=int, default=1)
-    args = parser.parse_args()
+def decode_steps(lm: LoadedModel, name: str, ids: list[int], steps: int, clock: str) -> list[float]:
+    """Seconds of each of `steps` one-token steps after prefilling `ids`, with a budget of len(ids) tokens."""
+    release_freed_memory()
+    session = Session(lm, build_policy(name), RunSettings(budget=None if name == "full" else len(ids)),
+                      prompt_tokens=len(ids))
+    seconds = []
+    with session:
+        session.prefill(ids)
+        for token in ids[:steps]:
+            start = CLOCKS[clock]()
+            session.step(token)
+            seconds.append(CLOCKS[clock]() - start)
+    return seconds
 
-    lm = load_model(args.model)
-    if args.layers:  # a Llama/Qwen2-style decoder: drop the later layers
-        lm.model.model.layers = lm.model.model.layers[: args.layers]
-        lm.model.config.num_hidden_layers = len(lm.model.model.layers)
-    vocab = min(256, lm.model.config.vocab_size)
-    prefill(lm, "h2o", torch.randint(vocab, (64,)).tolist(), args.budget)  # warm-up
-    print(f"model {args.model}, {lm.num_layers} layers, budget {args.budget}, {torch.get_num_threads()} threads, "
-          f"device {lm.device}, median of {args.repeats}")
+
+def prefill_table(lm: LoadedModel, lengths: list[int], budget: float, repeats: int, vocab: int, clock: str) -> None:
     print(f"{'tokens':>7}{'policy':>14}{'prefill s':>11}{'vs full':>9}{'peak MiB':>10}{'extra MiB':>11}")
-    for length in args.lengths:
+    for length in lengths:
         torch.manual_seed(length)
         ids = torch.randint(vocab, (length,)).tolist()
         seconds: dict[str, list[float]] = {name: [] for name in POLICIES}
         peaks: dict[str, list[int]] = {name: [] for name in POLICIES}
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             for name in POLICIES:
-                time_s, peak = prefill(lm, name, ids, args.budget)
+                time_s, peak = prefill(lm, name, ids, budget, clock)
                 seconds[name].append(time_s)
                 peaks[name].append(peak)
         base_s, base_peak = statistics.median(seconds["full"]), statistics.median(peaks["full"])
@@ -79,6 +107,43 @@ def main() -> None:
             time_s, peak = statistics.median(seconds[name]), statistics.median(peaks[name])
             print(f"{length:>7}{name:>14}{time_s:>11.2f}{time_s / base_s:>8.2f}x{peak / 2**20:>10.0f}"
                   f"{(peak - base_peak) / 2**20:>+11.0f}", flush=True)
+
+
+def decode_table(lm: LoadedModel, length: int, steps: int, repeats: int, vocab: int, clock: str) -> None:
+    torch.manual_seed(length)
+    ids = torch.randint(vocab, (length,)).tolist()
+    step_s: dict[str, list[float]] = {name: [] for name in POLICIES}
+    for _ in range(repeats):
+        for name in POLICIES:
+            step_s[name].extend(decode_steps(lm, name, ids, steps, clock))
+    base_ms = statistics.median(step_s["full"]) * 1e3
+    print(f"decode at {length} tokens, median of {steps} steps x {repeats}")
+    print(f"{'policy':>14}{'ms/step':>9}{'vs full':>9}")
+    for name in POLICIES:
+        step_ms = statistics.median(step_s[name]) * 1e3
+        print(f"{name:>14}{step_ms:>9.1f}{step_ms / base_ms:>8.2f}x", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m", help="smollm2-135m (embedded), random:llama-3-8b, ...")
+    parser.add_argument("--layers", type=int, default=4, help="keep the first layers only (0: all)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--budget", type=float, default=0.25, help="kept share of the prompt (or tokens if >= 1)")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--decode-length", type=int, default=8192, help="cache length of the decode table (0: none)")
+    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="cpu: the process's CPU seconds")
+    args = parser.parse_args()
+
+    lm = load_layers(args.model, args.layers)
+    vocab = min(256, lm.model.config.vocab_size)
+    prefill(lm, "h2o", torch.randint(vocab, (64,)).tolist(), args.budget, args.clock)  # warm-up
+    print(f"model {args.model}, {lm.num_layers} layers, budget {args.budget}, {torch.get_num_threads()} threads, "
+          f"device {lm.device}, {args.clock} clock, median of {args.repeats}")
+    prefill_table(lm, args.lengths, args.budget, args.repeats, vocab, args.clock)
+    if args.decode_length:
+        decode_table(lm, args.decode_length, args.decode_steps, args.repeats, vocab, args.clock)
 
 
 if __name__ == "__main__":

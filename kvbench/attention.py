@@ -209,31 +209,40 @@ def attention_probs(
     capped as the model caps them.
     A chunk holds as many queries as `chunk_elements` allows; each KV head's query heads are stacked along the
     query dimension, so one matmul per chunk reads the float32 keys in place (no per-group copy of them).
+    Every chunk's logits and probs are written into the same two buffers, allocated once per call (a fresh
+    chunk-sized block per chunk costs page faults on every chunk on CPU): `probs` is valid until the next
+    chunk is asked for, so a caller reduces or copies it first.
     """
     batch, heads, q_len, head_dim = query.shape
     kv_heads, n = key.shape[1], key.shape[2]
     group = heads // kv_heads
     keys_t = key.float().transpose(-1, -2)  # [B, kv, D, n], converted once
-    chunk = queries_per_chunk(batch, heads, q_len, n, key.device)
+    chunk = min(q_len, queries_per_chunk(batch, heads, q_len, n, key.device))
+    largest = batch * heads * chunk * n
+    logits_buffer = torch.empty(largest, dtype=torch.float32, device=key.device)
+    probs_buffer = torch.empty(largest, dtype=torch.float32, device=key.device)
+    # the causal mask of a chunk's own trailing block, the same for every chunk (the last one's is its corner)
+    ahead = torch.ones(chunk, chunk, dtype=torch.bool, device=key.device).triu(1) if chunk > 1 else None
     for start in range(0, q_len, chunk):
         stop = min(q_len, start + chunk)
         size, visible = stop - start, n - q_len + stop
-        q_chunk = query[:, :, start:stop].float().reshape(batch, kv_heads, group * size, head_dim)
-        logits = ((q_chunk * scaling) @ keys_t[..., :visible]).view(batch, kv_heads, group, size, visible)
+        shape = (batch, kv_heads, group, size, visible)
+        elements = batch * heads * size * visible
+        q_chunk = query[:, :, start:stop].float().mul(scaling).reshape(batch, kv_heads, group * size, head_dim)
+        logits = torch.matmul(q_chunk, keys_t[..., :visible],
+                              out=logits_buffer[:elements].view(batch, kv_heads, group * size, visible)).view(shape)
         if kind.softcap is not None:
-            logits = torch.tanh(logits / kind.softcap) * kind.softcap
+            logits.div_(kind.softcap).tanh_().mul_(kind.softcap)
         if size > 1:  # causal mask: only the chunk's own trailing block has masked slots
-            block = logits[..., visible - size :]
-            block.masked_fill_(torch.ones(size, size, dtype=torch.bool, device=key.device).triu(1), float("-inf"))
+            logits[..., visible - size :].masked_fill_(ahead[:size, :size], float("-inf"))
         if kind.window is not None:
             seen = positions[..., :visible]
             query_positions = positions[..., n - q_len + start : n - q_len + stop]
             logits.masked_fill_(~window_visible(seen, query_positions, kind.window)[:, :, None], float("-inf"))
-        if padding is None:
-            yield start, logits.softmax(dim=-1)
-            continue
-        logits.masked_fill_(padding[:, :, None, None, :visible], float("-inf"))
-        yield start, logits.softmax(dim=-1).nan_to_num(0.0)
+        if padding is not None:
+            logits.masked_fill_(padding[:, :, None, None, :visible], float("-inf"))
+        probs = torch.softmax(logits, dim=-1, out=probs_buffer[:elements].view(shape))
+        yield start, probs if padding is None else probs.nan_to_num_(0.0)
 
 
 def attention_received(query: torch.Tensor, key: torch.Tensor, scaling: float,
@@ -241,7 +250,13 @@ def attention_received(query: torch.Tensor, key: torch.Tensor, scaling: float,
                        positions: torch.Tensor | None = None) -> torch.Tensor:
     """Attention each slot received, summed over the queries and averaged over each KV head's
     query heads: `[B, kv_heads, n]` (the H2O accumulation step); `kind` and `positions` as `attention_probs`."""
-    total = torch.zeros(key.shape[:3], dtype=torch.float32, device=key.device)
+    batch, kv_heads, n = key.shape[:3]
+    group = query.shape[1] // kv_heads
+    total = torch.zeros(batch, kv_heads, n, dtype=torch.float32, device=key.device)
+    per_head = torch.empty(batch * kv_heads * group * n, dtype=torch.float32, device=key.device)  # reused
     for _, probs in attention_probs(query, key, scaling, padding, kind, positions):
-        total[..., : probs.shape[-1]] += probs.sum(dim=3).mean(dim=2)
+        visible = probs.shape[-1]
+        summed = torch.sum(probs, dim=3, out=per_head[: batch * kv_heads * group * visible].view(
+            batch, kv_heads, group, visible))
+        total[..., :visible] += summed.mean(dim=2)
     return total

@@ -85,3 +85,47 @@ def test_half_precision_inputs_are_scored_in_float32():
 def test_cpu_chunks_hold_many_queries_at_long_context():
     # 8k slots and 32 heads: the old 1 Mi-element bound gave 4 queries a chunk (1 at 32k)
     assert attention.chunk_elements(torch.device("cpu")) // (32 * 8192) >= 16
+
+
+def capped_windowed_reference(query, key, positions, softcap, window, padding=None) -> torch.Tensor:
+    """`reference` with soft-capped logits and a sliding window applied from the slots' true positions."""
+    q_len, n = query.shape[2], key.shape[2]
+    logits = torch.einsum("bhqd,bhnd->bhqn", query, key.repeat_interleave(GROUP, dim=1)) * SCALING
+    logits = torch.tanh(logits / softcap) * softcap
+    slot_causal = torch.arange(n)[None, :] <= (torch.arange(q_len) + n - q_len)[:, None]
+    key_positions = positions.repeat_interleave(GROUP, dim=1)[:, :, None, :]
+    query_positions = key_positions[..., -q_len:].transpose(-1, -2)
+    visible = slot_causal & (key_positions <= query_positions) & (key_positions > query_positions - window)
+    if padding is not None:
+        visible = visible & ~padding.repeat_interleave(GROUP, dim=1)[:, :, None, :]
+    probs = logits.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.where(visible.any(-1, keepdim=True), probs, 0.0)
+
+
+@pytest.mark.parametrize("queries_per_chunk", CHUNKS)
+@pytest.mark.parametrize("padded", [False, True])
+def test_softcapped_sliding_chunks_equal_one_softmax(monkeypatch, queries_per_chunk, padded):
+    # every chunk is written into the same reused buffers: each must still be its own queries' attention
+    batch, softcap, window = 3, 2.0, 7
+    monkeypatch.setattr(attention, "MAX_CHUNK_ELEMENTS", queries_per_chunk * batch * HEADS * SLOTS)
+    query, key = inputs(batch, seed=200 + queries_per_chunk)
+    generator = torch.Generator().manual_seed(queries_per_chunk)
+    older = torch.randperm(SLOTS - QUERIES, generator=generator)  # evictions moved the older entries around
+    positions = torch.cat([older, torch.arange(SLOTS - QUERIES, SLOTS)]).expand(batch, KV_HEADS, SLOTS) + 100
+    padding = left_padding(batch) if padded else None
+    kind = attention.LayerKind(window=window, softcap=softcap)
+    whole = torch.zeros(batch, KV_HEADS, GROUP, QUERIES, SLOTS)
+    for start, probs in attention.attention_probs(query, key, SCALING, padding, kind, positions):
+        whole[..., start : start + probs.shape[3], : probs.shape[-1]] = probs
+    expected = capped_windowed_reference(query, key, positions, softcap, window, padding)
+    torch.testing.assert_close(whole.reshape(batch, HEADS, QUERIES, SLOTS), expected)
+    received = attention.attention_received(query, key, SCALING, padding, kind, positions)
+    torch.testing.assert_close(received, expected.sum(dim=2).view(batch, KV_HEADS, GROUP, SLOTS).mean(dim=2))
+
+
+def test_queries_laid_out_as_the_model_passes_them():
+    # the model's queries are `[B, q, heads, D]` transposed to `[B, heads, q, D]`: not contiguous
+    query, key = inputs(2, seed=300)
+    transposed = query.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not transposed.is_contiguous()
+    torch.testing.assert_close(rebuilt(transposed, key), reference(query, key))
