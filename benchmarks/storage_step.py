@@ -6,6 +6,10 @@ Llama-3-8B-shaped cache (8 KV heads, head_dim 128) holding `--tokens` entries.
 A step appends one token and returns the layer's keys and values for attention: a plain layer returns views of
 its buffers; a compressed one decodes every entry (no fused kernel) and encodes the new token. Both are compared
 with one decode token's SDPA over the same entries, the least a step spends on attention. All in one run.
+
+"quant-4 evicted" has had one entry evicted after the prompt, as under an eviction policy: its slots are out of
+position order, so every slot is decoded with its key-scale row gathered (in order, a row serves its group of
+slots by broadcasting), and the step in 32 where a group ages looks its slots up on the device.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from kvbench.policies import build_policy
 KV_HEADS, HEADS, HEAD_DIM = 8, 32, 128
 STORAGES = {"plain (full)": ("full", {}), "quant-8": ("quant", {"bits": 8}), "quant-4": ("quant", {"bits": 4}),
             "quant-2": ("quant", {"bits": 2}), "mixed 8/4": ("mixed_precision", {"middle": 512}),
-            "lowrank 32": ("lowrank", {"rank": 32})}
+            "lowrank 32": ("lowrank", {"rank": 32}), "quant-4 evicted": ("quant", {"bits": 4})}
 
 
 def main() -> None:
@@ -35,6 +39,8 @@ def main() -> None:
         cache = KVCache(1, (1, KV_HEADS, HEAD_DIM), build_policy(name, params), None, growth=3 * args.repeats + 8,
                         phase=Phase.DECODE)
         cache.layers[0].update(prompt, prompt)
+        if label.endswith("evicted"):  # slot 0 of each head goes; the last slot fills it
+            cache.layers[0].evict(torch.zeros(1, KV_HEADS, 1, dtype=torch.long, device=device))
         layers[label] = cache
     steps: dict[str, list[float]] = {label: [] for label in layers}
     for _ in range(args.repeats):  # interleaved, so a noisy moment hits every storage alike
@@ -49,9 +55,9 @@ def main() -> None:
         rows.append((label, statistics.median(steps[label]), attention, stats.kv_bytes_live / stats.kv_bytes_full))
     print(f"{args.tokens} tokens, {KV_HEADS} KV heads x head_dim {HEAD_DIM}, {dtype}, {device}; median of "
           f"{args.repeats} interleaved rounds")
-    print(f"{'storage':<14} {'step ms':>9} {'SDPA ms':>8} {'step / SDPA':>12} {'bytes ratio':>12}")
+    print(f"{'storage':<16} {'step ms':>9} {'SDPA ms':>8} {'step / SDPA':>12} {'bytes ratio':>12}")
     for label, step, attention, ratio in rows:
-        print(f"{label:<14} {step:9.3f} {attention:8.3f} {step / attention:12.1f} {ratio:12.3f}")
+        print(f"{label:<16} {step:9.3f} {attention:8.3f} {step / attention:12.1f} {ratio:12.3f}")
 
 if __name__ == "__main__":
     main()

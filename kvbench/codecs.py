@@ -10,27 +10,41 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 Fields = dict[str, torch.Tensor]
+# entries' positions: `[B, H, n]`, or a range when every head holds the same consecutive positions (known to the
+# host, so a codec can use them without reading the device)
+Positions = torch.Tensor | range
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """`[..., D]` integer codes below 2**bits -> `[..., D * bits / 8]` uint8, 8 / bits codes per byte."""
+    """`[..., D]` integer codes below 2**bits -> `[..., D * bits / 8]` uint8, 8 / bits codes per byte: byte i holds
+    codes i, i + W, i + 2W, ... (W = D * bits / 8), so each bit plane unpacks with one shift over whole rows."""
     per_byte = 8 // bits
-    grouped = codes.to(torch.uint8).reshape(*codes.shape[:-1], -1, per_byte)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    return (grouped << shifts).sum(-1, dtype=torch.uint8)  # disjoint bit fields: the sum is their OR
+    planes = codes.to(torch.uint8).unflatten(-1, (per_byte, -1))
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)[:, None]
+    return (planes << shifts).sum(-2, dtype=torch.uint8)  # disjoint bit fields: the sum is their OR
 
 
-def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """The inverse of `pack`: `[..., D]` uint8 codes (arithmetic with float scales promotes them in place of a
-    separate conversion pass)."""
+def unpack(packed: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of `pack`: `[..., D]` codes, uint8 or written into `out` (a float buffer holds them exactly; the
+    arithmetic with the scales then runs in place, where on CPU an operation mixing uint8 codes with float scales
+    would first convert them into a temporary). One operation per bit plane, each with a plain number: a shift by
+    a tensor of shifts broadcast over the planes runs several times slower on CPU."""
     if bits == 8:
-        return packed
-    fields = [(packed >> shift) & (2**bits - 1) for shift in range(0, 8, bits)]  # 2 or 4 whole-tensor ops
-    return torch.stack(fields, dim=-1).flatten(-2)
+        return packed if out is None else out.copy_(packed)
+    width, mask = packed.shape[-1], 2**bits - 1
+    codes = torch.empty(*packed.shape[:-1], width * 8 // bits, dtype=torch.uint8, device=packed.device) \
+        if out is None else out
+    planes = codes.unflatten(-1, (-1, width))
+    torch.bitwise_and(packed, mask, out=planes[..., 0, :])
+    for plane, shift in enumerate(range(bits, 8 - bits, bits), start=1):  # the planes between (2 bits: two)
+        torch.bitwise_and(packed >> shift, mask, out=planes[..., plane, :])
+    torch.bitwise_right_shift(packed, 8 - bits, out=planes[..., -1, :])
+    return codes
 
 
 def take_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -40,6 +54,15 @@ def take_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     offsets = torch.arange(batch * heads, device=index.device).view(batch, heads, 1) * rows
     picked = table.reshape(batch * heads * rows, -1).index_select(0, (index + offsets).reshape(-1))
     return picked.view(*index.shape, *table.shape[3:])
+
+
+def put_rows(table: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """`table[b, h, index[b, h, i]] = rows[b, h, i]` for a contiguous `[B, H, R, ...]` table: whole rows copied (an
+    index_copy). Where `index` repeats a row, which copy lands there is unspecified."""
+    batch, heads, count = table.shape[:3]
+    offsets = torch.arange(batch * heads, device=index.device).view(batch, heads, 1) * count
+    table.view(batch * heads * count, -1).index_copy_(0, (index + offsets).reshape(-1),
+                                                      rows.reshape(index.numel(), -1))
 
 
 def quantize(x: torch.Tensor, low: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
@@ -61,16 +84,20 @@ def _whole_bytes(bits: int, head_dim: int) -> None:
 class Codec:
     """Stores entries as they are (the model dtype): the full-precision tier."""
 
+    # whether `forget_before` can give memory back: only then does the caller find the oldest position it holds
+    frees_rows: ClassVar[bool] = False
+
     def fields(self, head_dim: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Per-slot field name -> (trailing shape, dtype)."""
         return {"x": ((head_dim,), dtype)}
 
-    def encode(self, x: torch.Tensor, positions: torch.Tensor, chosen: torch.Tensor) -> Fields:
+    def encode(self, x: torch.Tensor, positions: torch.Tensor, chosen: torch.Tensor, newest: int) -> Fields:
         """Fields for every slot of `x` `[B, H, n, D]`; only the `chosen` ones `[B, H, n]` are kept by the caller
-        (a codec with a table fills it from those alone)."""
+        (a codec with a table fills it from those alone). `newest` is the newest position the caller holds, counted
+        on the host (a table grows to it without reading `positions` back from the device)."""
         return {"x": x}
 
-    def decode(self, fields: Fields, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(self, fields: Fields, positions: Positions, out: torch.Tensor | None = None) -> torch.Tensor:
         """The entries `[B, H, n, D]` in the model dtype, written into `out` when given."""
         return fields["x"] if out is None else out.copy_(fields["x"])
 
@@ -107,20 +134,20 @@ class TokenQuant(Codec):
         return {"codes": ((head_dim * self.bits // 8,), torch.uint8), "low": ((groups,), dtype),
                 "scale": ((groups,), dtype)}
 
-    def encode(self, x: torch.Tensor, positions: torch.Tensor, chosen: torch.Tensor) -> Fields:
+    def encode(self, x: torch.Tensor, positions: torch.Tensor, chosen: torch.Tensor, newest: int) -> Fields:
         grouped = x.unflatten(-1, (-1, self.group))
         low, high = grouped.aminmax(dim=-1)
         low, scale = low.to(x.dtype), grid(low, high, self.bits).to(x.dtype)
         codes = quantize(grouped, low[..., None], scale[..., None], self.bits).flatten(-2)
         return {"codes": pack(codes, self.bits), "low": low, "scale": scale}
 
-    def decode(self, fields: Fields, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        codes = unpack(fields["codes"], self.bits).unflatten(-1, (-1, self.group))
+    def decode(self, fields: Fields, positions: Positions, out: torch.Tensor | None = None) -> torch.Tensor:
+        codes = unpack(fields["codes"], self.bits, out).unflatten(-1, (-1, self.group))
         low, scale = fields["low"].float()[..., None], fields["scale"].float()[..., None]
-        if out is not None:
-            torch.addcmul(low, codes, scale, out=out.unflatten(-1, (-1, self.group)))
-            return out
-        return torch.addcmul(low, codes, scale).flatten(-2).to(fields["low"].dtype)
+        if out is None:
+            return torch.addcmul(low, codes, scale).flatten(-2).to(fields["low"].dtype)
+        torch.addcmul(low, codes, scale, out=codes)  # the codes were unpacked into `out`: decoded in place
+        return out
 
 
 @dataclass
@@ -135,6 +162,7 @@ class ChannelQuant(Codec):
     low: torch.Tensor | None = field(default=None, repr=False)  # [B, H, groups, D]
     scale: torch.Tensor | None = field(default=None, repr=False)
     first: int = 0  # the token group of row 0
+    frees_rows: ClassVar[bool] = True
 
     def forget_before(self, position: int) -> None:
         dead = position // self.group - self.first
@@ -149,9 +177,9 @@ class ChannelQuant(Codec):
     def fields(self, head_dim: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {"codes": ((head_dim * self.bits // 8,), torch.uint8)}
 
-    def encode(self, x: torch.Tensor, positions: torch.Tensor, chosen: torch.Tensor) -> Fields:
+    def encode(self, x: torch.Tensor, positions: torch.Tensor, chosen: torch.Tensor, newest: int) -> Fields:
         rows = self._row_of(positions)
-        used = int(rows.max()) + 1
+        used = newest // self.group - self.first + 1
         self._grow(used, x)
         # each chosen slot's channels reduce into its group's row; the others into a spare row past the end
         target = torch.where(chosen, rows, used)[..., None].expand_as(x)
@@ -166,11 +194,19 @@ class ChannelQuant(Codec):
         codes = quantize(x, *self._rows(positions), self.bits)
         return {"codes": pack(codes, self.bits)}
 
-    def decode(self, fields: Fields, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        low, scale = self._rows(positions)
-        if out is not None:
-            return torch.addcmul(low.float(), unpack(fields["codes"], self.bits), scale.float(), out=out)
-        return torch.addcmul(low.float(), unpack(fields["codes"], self.bits), scale.float()).to(self.low.dtype)
+    def decode(self, fields: Fields, positions: Positions, out: torch.Tensor | None = None) -> torch.Tensor:
+        codes = unpack(fields["codes"], self.bits, out)
+        shape = codes.shape
+        groups = self._groups(positions)
+        if groups is None:  # a row per slot, gathered
+            low, scale = self._rows(_as_tensor(positions, codes))
+        else:  # whole token groups in order: each row serves its group's slots by broadcasting, nothing gathered
+            low, scale = self.low[:, :, groups, None], self.scale[:, :, groups, None]
+            codes = codes.unflatten(2, (-1, self.group))
+        if out is not None:  # the codes were unpacked into `out`: decoded in place
+            torch.addcmul(low.float(), codes, scale.float(), out=codes)
+            return out
+        return torch.addcmul(low.float(), codes, scale.float()).to(self.low.dtype).view(shape)
 
     def table_bytes(self, positions: torch.Tensor | None = None, held: torch.Tensor | None = None) -> int:
         if self.low is None:
@@ -181,6 +217,13 @@ class ChannelQuant(Codec):
         used = torch.zeros(self.low.shape[:3], dtype=torch.bool, device=self.low.device)
         used.scatter_(2, self._row_of(positions).clamp(0, self.low.shape[2] - 1), held)
         return int(used.sum()) * row_bytes  # a row counts once, however many of its tokens a head still holds
+
+    def _groups(self, positions: Positions) -> slice | None:
+        """The table rows of `positions` if they are whole token groups in order (a range), else None."""
+        if not isinstance(positions, range) or positions.start % self.group or len(positions) % self.group:
+            return None
+        first = positions.start // self.group - self.first
+        return slice(first, first + len(positions) // self.group)
 
     def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         index = self._row_of(positions).clamp(0, self.low.shape[2] - 1)
@@ -217,12 +260,12 @@ class LowRank(Codec):
     def fields(self, head_dim: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {"coefficients": ((self.rank,), dtype)}
 
-    def encode(self, x: torch.Tensor, positions: torch.Tensor, chosen: torch.Tensor) -> Fields:
+    def encode(self, x: torch.Tensor, positions: torch.Tensor, chosen: torch.Tensor, newest: int) -> Fields:
         if self.basis is None:
             self.basis = self._fit(x, chosen)
         return {"coefficients": (x.float() @ self.basis.float()).to(x.dtype)}
 
-    def decode(self, fields: Fields, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(self, fields: Fields, positions: Positions, out: torch.Tensor | None = None) -> torch.Tensor:
         x = (fields["coefficients"].float() @ self.basis.float().transpose(-1, -2)).to(self.basis.dtype)
         return x if out is None else out.copy_(x)
 
@@ -237,3 +280,10 @@ class LowRank(Codec):
         kept = min(self.rank, directions.shape[-1])  # a prompt shorter than the rank spans fewer directions
         basis[..., :kept] = directions[..., :kept]
         return basis.to(x.dtype)
+
+
+def _as_tensor(positions: Positions, like: torch.Tensor) -> torch.Tensor:
+    """`positions` as a `[B, H, n]` tensor on `like`'s device."""
+    if isinstance(positions, torch.Tensor):
+        return positions
+    return torch.arange(positions.start, positions.stop, device=like.device).expand(*like.shape[:2], len(positions))

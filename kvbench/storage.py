@@ -8,6 +8,11 @@ evicts compressed entries exactly as it evicts plain ones. Tokens move to the ne
 
 Attention reads a decoded copy of the layer (no fused dequantizing kernel here): one layer's full-precision
 K/V exists during its attention, and `kv_bytes_peak` counts it. A layer without a layout never comes here.
+
+A decode step reads nothing back from the device: which positions each tier holds, and while nothing was evicted
+which slot holds them, are counted on the host. Only on a layer that evicted, the step in `group` at which a group
+of older tokens ages into the next tier looks on the device for their slots (and for the oldest position held, so a
+key-scale table can give rows back).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.cache import LayerKV, _expand
-from kvbench.codecs import Codec, Fields, take_rows
+from kvbench.codecs import Codec, Fields, Positions, put_rows
 from kvbench.errors import KvbenchError
 
 
@@ -63,6 +68,7 @@ class StoredLayerKV(LayerKV):
         self.ring_sizes = [_round_up(t.tokens, layout.group) + (layout.group if i == 0 else 0)
                            for i, t in enumerate(layout.tiers[:-1])]
         self.starts = [0] * len(self.ring_sizes)  # first position of each younger tier, newest first
+        self.in_order = True  # slot s holds position s in every head: nothing was evicted (the host's to know)
 
     # --- transformers Cache layer protocol -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -89,7 +95,18 @@ class StoredLayerKV(LayerKV):
         return keys, values
 
     def _adopt_entries(self, other: LayerKV) -> None:
+        in_order = torch.arange(self.length, device=self.device).expand_as(self.live_positions())
+        self.in_order = self.length == self.seen and torch.equal(self.live_positions(), in_order)
         self._store(other.live_keys(), other.values[:, :, : self.length], new_from=0)
+
+    def evict(self, evicted: torch.Tensor) -> None:
+        if evicted.shape[-1]:
+            self.in_order = False
+        super().evict(evicted)
+
+    def retain(self, keep: torch.Tensor) -> None:
+        self.in_order = False
+        super().retain(keep)
 
     def truncate(self, count: int) -> None:
         raise KvbenchError("compressed storage cannot forget tokens it has stored (a probe needs plain slots)")
@@ -134,76 +151,110 @@ class StoredLayerKV(LayerKV):
         self.fields = {name: torch.zeros((batch, heads, capacity) + shape, dtype=dtype, device=self.device)
                        for name, (shape, dtype) in _fields(self.final, head_dim, self.dtype).items()}
 
-    def _tiers(self, positions: torch.Tensor) -> torch.Tensor:
-        """Each slot's tier: 0 for the newest, len(ring_sizes) for the oldest."""
-        if not self.starts:
+    def _tiers(self, positions: torch.Tensor, starts: list[int] | None = None) -> torch.Tensor:
+        """Each slot's tier, by `starts` (the current ones by default): 0 for the newest, len(ring_sizes) for the
+        oldest."""
+        starts = self.starts if starts is None else starts
+        if not starts:
             return torch.zeros_like(positions)
-        starts = torch.tensor(self.starts, device=positions.device)
-        return (positions[..., None] < starts).sum(-1)
+        return (positions[..., None] < torch.tensor(starts, device=positions.device)).sum(-1)
 
     def _decoded(self, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The live entries in full precision, `[B, H, length + extra, D]` each in slot order (the `extra` last
         slots left for the caller to fill)."""
         batch, heads, head_dim = self.owner.batch_heads_dim
-        keys, values = (torch.empty((batch, heads, self.length + extra, head_dim), dtype=self.dtype,
+        # one slot past the live ones at least: the younger tiers' unused ring cells are written there, then
+        # overwritten by the caller (or cut off)
+        keys, values = (torch.empty((batch, heads, self.length + max(extra, 1), head_dim), dtype=self.dtype,
                                     device=self.device) for _ in range(2))
-        if self.length == 0:
-            return keys, values
+        if self.length:
+            self._decode_into(keys, values)
+        return keys[:, :, : self.length + extra], values[:, :, : self.length + extra]
+
+    def _decode_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        batch, heads, _ = self.owner.batch_heads_dim
         positions = self.live_positions()
         if not self.starts or self.starts[-1] > 0:  # the oldest tier holds something
-            live = {name: buffer[:, :, : self.length] for name, buffer in self.fields.items()}
-            _decode(self.final, live, positions, keys[:, :, : self.length], values[:, :, : self.length])
-        if not self.starts:
-            return keys, values
-        tiers = self._tiers(positions)
+            # in order, it holds the first slots (positions the host knows); otherwise any, so every slot is decoded
+            # and the younger tiers' slots overwritten below
+            held = self.starts[-1] if self.in_order and self.starts else self.length
+            _decode(self.final, {name: buffer[:, :, :held] for name, buffer in self.fields.items()},
+                    range(held) if self.in_order else positions, keys[:, :, :held], values[:, :, :held])
         bounds = [self.seen, *self.starts]
+        slots = torch.arange(self.length, device=self.device)
         for index, (tier, ring, size) in enumerate(zip(self.layout.tiers, self.rings, self.ring_sizes, strict=False)):
-            if bounds[index] <= bounds[index + 1]:
+            start, end = bounds[index + 1], bounds[index]
+            if end <= start:
                 continue  # an empty tier
-            mine = tiers == index
-            slots = _columns(mine)
-            cells = positions[:, :, slots] % size
-            tier_keys, tier_values = _decode(tier, {name: take_rows(buffer, cells) for name, buffer in ring.items()},
-                                             positions[:, :, slots])
-            mine = mine[:, :, slots, None]
-            keys[:, :, slots] = torch.where(mine, tier_keys, keys[:, :, slots])
-            values[:, :, slots] = torch.where(mine, tier_values, values[:, :, slots])
-        return keys, values
+            # each ring cell's slot, found by scattering slot numbers into the cells; cells no live slot holds (and
+            # the spare) point to the slot past the live ones
+            mine = (positions >= start) & (positions < end)
+            slot_of_cell = torch.full((batch, heads, size + 1), self.length, device=self.device)
+            slot_of_cell.scatter_(2, torch.where(mine, positions % size, size), torch.where(mine, slots, self.length))
+            cell_positions = (start + (torch.arange(size + 1, device=self.device) - start) % size).expand(
+                batch, heads, size + 1)
+            tier_keys, tier_values = _decode(tier, ring, cell_positions)
+            put_rows(keys, slot_of_cell, tier_keys)
+            put_rows(values, slot_of_cell, tier_values)
 
     def _store(self, keys: torch.Tensor, values: torch.Tensor, new_from: int) -> None:
         """Encode the slots that are new (from `new_from`) or changed tier since the last call; `keys` and
         `values` hold every live slot in full precision."""
-        positions = self.live_positions()
-        before = self._tiers(positions)
+        first_new = self.seen - (self.length - new_from)  # the position of the first new slot
+        earlier = self.starts
+        before = [min(bound, first_new) for bound in (first_new, *earlier)]  # each tier's end at the last call
         self.starts, start = [], self.seen
         for tier in self.layout.tiers[:-1]:  # each younger tier ends where the newer one starts, group-aligned
             start = max(0, (start - tier.tokens) // self.layout.group * self.layout.group)
             self.starts.append(start)
-        after = self._tiers(positions)
-        moved = before != after
+        after = [self.seen, *self.starts, 0]
+        # tier i holds positions [after[i + 1], after[i]); those beyond what it held before join it now
+        joining = [(max(after[index + 1], before[index]), after[index]) for index in range(len(self.layout.tiers))]
+        if not self.in_order and any(low < min(high, first_new) for low, high in joining):
+            self._store_found(keys, values, new_from, earlier)  # entries aged on a layer that evicted: where?
+            return
+        offset = 0 if self.in_order else new_from - first_new  # the slot of a position that joins a tier
+        for index, (low, high) in enumerate(joining):
+            if low < high:
+                slots = slice(low + offset, high + offset)
+                positions = self.positions[:, :, slots]
+                self._encode(index, keys[:, :, slots], values[:, :, slots], slots, positions,
+                             torch.ones_like(positions, dtype=torch.bool), newest=self.seen - 1)
+
+    def _store_found(self, keys: torch.Tensor, values: torch.Tensor, new_from: int, earlier: list[int]) -> None:
+        """`_store` where the slots to encode are found on the device, from each slot's tier by the `earlier` starts
+        and by the current ones."""
+        positions = self.live_positions()
+        moved = self._tiers(positions, earlier) != self._tiers(positions)
         moved[..., new_from:] = True
         slots = _columns(moved)  # usually the new slots, plus a group that aged
-        moved, after, positions = moved[:, :, slots], after[:, :, slots], positions[:, :, slots]
+        moved, after, positions = moved[:, :, slots], self._tiers(positions[:, :, slots]), positions[:, :, slots]
         keys, values = keys[:, :, slots], values[:, :, slots]
-        for index, tier in enumerate(self.layout.tiers):
+        newest = int(positions.max())
+        for index in range(len(self.layout.tiers)):
             chosen = moved & (after == index)
-            if not bool(chosen.any()):
-                continue
-            if index == len(self.rings):  # entries join the oldest tier: first let its tables drop what is gone
-                oldest = int(self.live_positions().min())
-                tier.keys.forget_before(oldest)
-                tier.values.forget_before(oldest)
-            encoded = {f"{kind}.{name}": field for kind, codec, x in (("keys", tier.keys, keys),
-                                                                      ("values", tier.values, values))
-                       for name, field in codec.encode(x, positions, chosen).items()}
-            if index < len(self.rings):
-                size = self.ring_sizes[index]
-                cells = torch.where(chosen, positions % size, size)  # the others write the spare cell
-                for name, buffer in self.rings[index].items():
-                    buffer.scatter_(2, _expand(cells, buffer), encoded[name])
-            else:
-                for name, buffer in self.fields.items():
-                    buffer[:, :, slots] = torch.where(chosen[..., None], encoded[name], buffer[:, :, slots])
+            if bool(chosen.any()):
+                self._encode(index, keys, values, slots, positions, chosen, newest)
+
+    def _encode(self, index: int, keys: torch.Tensor, values: torch.Tensor, slots: slice | torch.Tensor,
+                positions: torch.Tensor, chosen: torch.Tensor, newest: int) -> None:
+        """Encode the `chosen` of these slots into tier `index`."""
+        tier = self.layout.tiers[index]
+        if index == len(self.rings):  # entries join the oldest tier: first let its tables drop what is gone
+            for codec in (tier.keys, tier.values):
+                if codec.frees_rows:
+                    codec.forget_before(0 if self.in_order else int(self.live_positions().min()))
+        encoded = {f"{kind}.{name}": field for kind, codec, x in (("keys", tier.keys, keys),
+                                                                  ("values", tier.values, values))
+                   for name, field in codec.encode(x, positions, chosen, newest).items()}
+        if index < len(self.rings):
+            size = self.ring_sizes[index]
+            cells = torch.where(chosen, positions % size, size)  # the others write the spare cell
+            for name, buffer in self.rings[index].items():
+                buffer.scatter_(2, _expand(cells, buffer), encoded[name])
+        else:
+            for name, buffer in self.fields.items():
+                buffer[:, :, slots] = torch.where(chosen[..., None], encoded[name], buffer[:, :, slots])
 
 
 def _columns(mask: torch.Tensor) -> torch.Tensor:
@@ -224,7 +275,7 @@ def _entry_bytes(tier: Tier, head_dim: int, dtype: torch.dtype) -> int:
     return tier.keys.entry_bytes(head_dim, dtype) + tier.values.entry_bytes(head_dim, dtype)
 
 
-def _decode(tier: Tier, fields: Fields, positions: torch.Tensor, keys: torch.Tensor | None = None,
+def _decode(tier: Tier, fields: Fields, positions: Positions, keys: torch.Tensor | None = None,
             values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     def of(kind: str) -> Fields:
         return {name.partition(".")[2]: field for name, field in fields.items() if name.startswith(kind + ".")}

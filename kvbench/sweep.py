@@ -12,13 +12,14 @@ import contextlib
 import functools
 import gc
 import hashlib
+import heapq
 import itertools
 import json
 import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -28,7 +29,7 @@ from kvbench.estimate import parse_bytes
 from kvbench.measure import memory_pressure, tracing
 from kvbench.models import LoadedModel, load_model
 from kvbench.policies import POLICIES, Policy
-from kvbench.results import RunFolder, environment, now, union_models
+from kvbench.results import RunFolder, now, union_models
 from kvbench.runner import compressed_prompt, evaluate, repeat_timed
 from kvbench.session import RunSettings, SharedPrefill, shared_prefill
 from kvbench.tasks import TASKS, Sample, Task
@@ -138,7 +139,8 @@ class Progress:
     samples_done: int = 0
     current: str = ""
     model: str = ""  # the model and dtype running, when the grid has several
-    log: list[str] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)  # cells that failed, to tell the user
+    notes: list[str] = field(default_factory=list)  # what an executor tells as it goes (Ray's workers)
 
     def log_failure(self, cell: Cell, message: str) -> None:
         self.log.append(f"{self.model}: {cell.label}: {message}" if self.model else f"{cell.label}: {message}")
@@ -198,9 +200,11 @@ class ModelLoader:
             torch.cuda.empty_cache()
 
 
-def manifest(config: SweepConfig, cells: list[Cell], lm: LoadedModel, shard_spec: str | None) -> dict[str, Any]:
-    """The run's provenance; `lm` is the first model loaded (`run_sweep` adds every other to `models`)."""
-    described = lm.describe()
+def manifest(config: SweepConfig, cells: list[Cell], model: dict[str, Any], machine: dict[str, Any],
+             shard_spec: str | None, executor: dict[str, Any]) -> dict[str, Any]:
+    """The run's provenance: `model` is the first model loaded, described (`run_sweep` adds every other to
+    `models`), `machine` the `environment()` it loaded on and `executor` what ran the cells (local, or a Ray
+    cluster's nodes and GPUs)."""
     return {
         "name": config.name,
         "config": config.model_dump(),
@@ -209,9 +213,10 @@ def manifest(config: SweepConfig, cells: list[Cell], lm: LoadedModel, shard_spec
         "cells": [cell.id for cell in cells],
         "cell_descriptions": {cell.id: cell.description for cell in cells},
         # `model` as before when the grid has one; `models` lists every one that ran
-        **({"model": described} if len(config.model_grid()) == 1 else {}),
-        "models": [described],
-        "environment": environment(lm.device),
+        **({"model": model} if len(config.model_grid()) == 1 else {}),
+        "models": [model],
+        "environment": machine,
+        "executor": executor,
         "seed": config.seed,
         "started": now(),
     }
@@ -231,16 +236,96 @@ def finished_cells(folder: RunFolder, retry_failed: bool) -> set[str]:
     return {cid for cid, status in folder.cells().items() if status["status"] == "ok" or not retry_failed}
 
 
-def run_sweep(models: ModelLoader, folder: RunFolder, cells: list[Cell], progress: Progress, share: bool = True,
-              retry_failed: bool = False, trace: bool = False) -> bool:
-    """Run every unfinished (cell, sample) into `folder`, one model at a time: each (model, dtype) with cells left
-    loads once, runs them and is freed before the next loads. True if it completed, False if interrupted."""
+class Outcomes(Protocol):
+    """Where running cells sends what it produces, in the order it happens. A local sweep's is the run folder
+    (`FolderOutcomes`); a Ray worker's collects them (`CollectedOutcomes`) for the driver to replay into its own."""
+
+    def model_loaded(self, described: dict[str, Any]) -> None:
+        """A model loaded to run cells: `LoadedModel.describe()`."""
+
+    def running(self, label: str) -> None:
+        """The (cell, sample) starting now."""
+
+    def record(self, record: dict[str, Any], traces: list[dict[str, Any]] | None) -> None:
+        """A scored sample, with its memory time series when tracing."""
+
+    def cell(self, status: dict[str, Any], failure: str | None) -> None:
+        """A cell's final status line; `failure` is what to tell the user when it failed."""
+
+
+class FolderOutcomes:
+    """Outcomes written into the run folder as they come, and counted on the progress display."""
+
+    def __init__(self, folder: RunFolder, progress: Progress) -> None:
+        self.folder = folder
+        self.progress = progress
+
+    def model_loaded(self, described: dict[str, Any]) -> None:
+        current = self.folder.manifest() or {}
+        models = union_models(current.get("models", []), [described])
+        if models != current.get("models"):
+            self.folder.write_manifest({**current, "models": models})
+
+    def running(self, label: str) -> None:
+        self.progress.current = label
+        self.progress.update(self.progress)
+
+    def record(self, record: dict[str, Any], traces: list[dict[str, Any]] | None) -> None:
+        self.folder.add_record(record)
+        if traces is not None:
+            self.folder.add_trace(record["cell_id"], record["sample_id"], traces)
+        self.progress.samples_done += 1
+        self.progress.update(self.progress)
+
+    def cell(self, status: dict[str, Any], failure: str | None) -> None:
+        self.folder.add_cell(status)
+        self.progress.cells_done += 1
+        if failure:
+            self.progress.log_failure(Cell(status["cell"]), failure)
+        self.progress.update(self.progress)
+
+
+class CollectedOutcomes:
+    """Outcomes kept in order, to be replayed into another sink: what a Ray worker returns for a group."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, tuple[Any, ...]]] = []
+
+    def model_loaded(self, described: dict[str, Any]) -> None:
+        self.events.append(("model_loaded", (described,)))
+
+    def running(self, label: str) -> None:
+        """Not kept: once the group is back it has finished, and the driver shows its own progress."""
+
+    def record(self, record: dict[str, Any], traces: list[dict[str, Any]] | None) -> None:
+        self.events.append(("record", (record, traces)))
+
+    def cell(self, status: dict[str, Any], failure: str | None) -> None:
+        self.events.append(("cell", (status, failure)))
+
+    def replay(self, outcomes: Outcomes) -> None:
+        for method, arguments in self.events:
+            getattr(outcomes, method)(*arguments)
+
+
+def resume_point(folder: RunFolder, cells: list[Cell], progress: Progress,
+                 retry_failed: bool) -> tuple[set[tuple[str, str]], list[Cell]]:
+    """The (cell, sample) pairs already recorded and the cells still to run; counts what is done on `progress`."""
     done = folder.done()
     finished = finished_cells(folder, retry_failed)
     pending = [cell for cell in cells if cell.id not in finished]
     progress.cells_done = len(cells) - len(pending)
     progress.samples_done = sum(1 for cell_id, _ in done if cell_id in {c.id for c in cells})
     progress.update(progress)
+    return done, pending
+
+
+def run_sweep(models: ModelLoader, folder: RunFolder, cells: list[Cell], progress: Progress, share: bool = True,
+              retry_failed: bool = False, trace: bool = False) -> bool:
+    """Run every unfinished (cell, sample) into `folder`, one model at a time: each (model, dtype) with cells left
+    loads once, runs them and is freed before the next loads. True if it completed, False if interrupted."""
+    done, pending = resume_point(folder, cells, progress, retry_failed)
+    outcomes = FolderOutcomes(folder, progress)
     by_model: dict[tuple[str, str], list[Cell]] = {}
     for cell in pending:
         by_model.setdefault(cell.model, []).append(cell)
@@ -248,47 +333,54 @@ def run_sweep(models: ModelLoader, folder: RunFolder, cells: list[Cell], progres
     with Interrupt() as interrupt:
         for model, model_cells in by_model.items():
             progress.model = " ".join(model) if several else ""
-            completed = _run_model(models, folder, model_cells, done, progress, share, interrupt, trace)
+            completed = _run_model(models, model_cells, done, outcomes, share, trace, lambda: interrupt.requested)
             models.free()
             if not completed:
                 return False
     return True
 
 
-def _run_model(models: ModelLoader, folder: RunFolder, cells: list[Cell], done: set[tuple[str, str]],
-               progress: Progress, share: bool, interrupt: Interrupt, trace: bool) -> bool:
-    """One model's cells, sample group by sample group; a model that fails to load fails each of its cells."""
-    failed: dict[str, dict[str, Any]] = {}
-    try:
-        lm = models.load(cells[0].model)
-    except Exception as exc:  # a missing model, or one too large for the device: the other models still run
-        for cell in cells:
-            _fail(folder, progress, failed, cell, exc)
-    if failed:
-        _release_cached_memory()  # after the failed load's tensors went with its traceback
-        progress.update(progress)
+def _run_model(models: ModelLoader, cells: list[Cell], done: set[tuple[str, str]], outcomes: Outcomes,
+               share: bool, trace: bool, stop: Callable[[], bool]) -> bool:
+    """One model's cells, sample group by sample group."""
+    lm = load_or_fail(models, cells, outcomes)
+    if lm is None:
         return True
-    current = folder.manifest()
-    folder.write_manifest({**current, "models": union_models(current.get("models", []), [lm.describe()])})
     groups: dict[tuple, list[Cell]] = {}
     for cell in cells:
         groups.setdefault(cell.group, []).append(cell)
     # stops at the first group an interrupt cut short
-    return all(_run_group(lm, folder, group, done, progress, share, interrupt, trace) for group in groups.values())
+    return all(run_group(lm, group, done, outcomes, share, trace, stop) for group in groups.values())
 
 
-def _run_group(lm: LoadedModel, folder: RunFolder, cells: list[Cell], done: set[tuple[str, str]],
-               progress: Progress, share: bool, interrupt: Interrupt, trace: bool) -> bool:
+def load_or_fail(models: ModelLoader, cells: list[Cell], outcomes: Outcomes) -> LoadedModel | None:
+    """The model of `cells` (all of one model); one that fails to load fails each of them, and the other models
+    still run."""
+    failed: dict[str, dict[str, Any]] = {}
+    try:
+        lm = models.load(cells[0].model)
+    except Exception as exc:  # a missing model, or one too large for the device
+        for cell in cells:
+            _fail(outcomes, failed, cell, exc)
+    if failed:
+        _release_cached_memory()  # after the failed load's tensors went with its traceback
+        return None
+    outcomes.model_loaded(lm.describe())
+    return lm
+
+
+def run_group(lm: LoadedModel, cells: list[Cell], done: set[tuple[str, str]], outcomes: Outcomes, share: bool,
+              trace: bool, stop: Callable[[], bool]) -> bool:
+    """Run the unrecorded samples of a sample group's cells (or of any subset of one) on `lm`, sending each record
+    and final cell status to `outcomes`; False if `stop()` cut it short between two samples."""
     first = cells[0].description
     failed: dict[str, dict[str, Any]] = {}
     try:
         task = cell_task(cells[0])
         samples = task.samples(lm.tokenizer, first["context_length"], first["samples"], first["seed"])
     except KvbenchError as exc:  # e.g. a context length too short for the task: every cell of the group fails
-        for cell in cells:
-            folder.add_cell(_failure(cell, exc))
-            progress.cells_done += 1
-        progress.log_failure(cells[0], str(exc))
+        for index, cell in enumerate(cells):
+            outcomes.cell(_failure(cell, exc), str(exc) if index == 0 else None)  # told once for the group
         return True
     started = {cell.id: time.perf_counter() for cell in cells}
     for sample in samples:
@@ -299,18 +391,17 @@ def _run_group(lm: LoadedModel, folder: RunFolder, cells: list[Cell], done: set[
                 shared = _shared(lm, todo, sample, first["question"])
             except Exception as exc:  # the prompt's forward failed (out of memory): each cell it served fails
                 for cell in [c for c in todo if _sharable(c)]:
-                    _fail(folder, progress, failed, cell, exc)
+                    _fail(outcomes, failed, cell, exc)
             if any(c.id in failed for c in todo):
                 _release_cached_memory()  # after the failed forward's tensors went with its traceback
                 todo = [c for c in todo if c.id not in failed]
         for cell in todo:
-            if interrupt.requested:
+            if stop():
                 return False
-            progress.current = f"{cell.label} {sample.id}"
-            progress.update(progress)
+            outcomes.running(f"{cell.label} {sample.id}")
             try:
                 with tracing() if trace else contextlib.nullcontext() as traces, \
-                        memory_pressure(lm.device, **cell.description["memory"]) if "memory" in cell.description \
+                        memory_pressure(lm.devices, **cell.description["memory"]) if "memory" in cell.description \
                         else contextlib.nullcontext() as kv_limit:
                     run = functools.partial(evaluate, lm, task, cell.policy(), sample, cell.settings(kv_limit),
                                             cell.description["context_length"], cell.description["seed"],
@@ -318,24 +409,18 @@ def _run_group(lm: LoadedModel, folder: RunFolder, cells: list[Cell], done: set[
                     timing = cell.description.get("timing")
                     record = repeat_timed(run, **timing) if timing else run()
             except Exception as exc:  # one failing cell never stops the sweep
-                _fail(folder, progress, failed, cell, exc)
+                _fail(outcomes, failed, cell, exc)
             if cell.id in failed:
                 _release_cached_memory()  # now that the failed cell's tensors went with its traceback
                 continue
             # the dtype the weights ran in (`auto` resolved), beside the record's `model`
-            folder.add_record({"cell_id": cell.id, "cell": cell.description, **record,
-                               "dtype": str(lm.dtype).removeprefix("torch.")})
-            if trace:
-                folder.add_trace(cell.id, sample.id, traces)
-            progress.samples_done += 1
-            progress.update(progress)
+            outcomes.record({"cell_id": cell.id, "cell": cell.description, **record,
+                             "dtype": str(lm.dtype).removeprefix("torch.")}, traces if trace else None)
         del shared
     for cell in cells:
         if cell.id not in failed:
-            folder.add_cell({"cell_id": cell.id, "cell": cell.description, "status": "ok", "samples": len(samples),
-                             "seconds": round(time.perf_counter() - started[cell.id], 3), "finished": now()})
-            progress.cells_done += 1
-    progress.update(progress)
+            outcomes.cell({"cell_id": cell.id, "cell": cell.description, "status": "ok", "samples": len(samples),
+                           "seconds": round(time.perf_counter() - started[cell.id], 3), "finished": now()}, None)
     return True
 
 
@@ -354,12 +439,9 @@ def _shared(lm: LoadedModel, cells: list[Cell], sample: Sample, question: str) -
                           [cell.settings() for cell in users])
 
 
-def _fail(folder: RunFolder, progress: Progress, failed: dict[str, dict[str, Any]], cell: Cell,
-          exc: Exception) -> None:
+def _fail(outcomes: Outcomes, failed: dict[str, dict[str, Any]], cell: Cell, exc: Exception) -> None:
     failed[cell.id] = _failure(cell, exc)
-    folder.add_cell(failed[cell.id])
-    progress.log_failure(cell, f"{failed[cell.id]['status']}: {failed[cell.id]['message']}")
-    progress.cells_done += 1
+    outcomes.cell(failed[cell.id], f"{failed[cell.id]['status']}: {failed[cell.id]['message']}")
 
 
 def _release_cached_memory() -> None:
@@ -393,15 +475,40 @@ def estimate_seconds(cells: list[Cell], parameters: int, device: torch.device, s
     assumed throughput (1.2e11 FLOP/s on 2 CPU cores: the ~450 prompt tokens/s measured for 135M parameters);
     a decoded token, bound by memory and latency, about 40 times more (~90 ms there)."""
     flops = 2e14 if device.type == "cuda" else 1.2e11
-    per_token = 2 * parameters / flops
-    seconds, prompts_run = 0.0, set()
+    return token_work(cells, share) * 2 * parameters / flops
+
+
+def token_work(cells: list[Cell], share: bool) -> float:
+    """What `estimate_seconds` weighs, in prompt-token equivalents: the prompt tokens run (once per sample group
+    where the prompt's forward is shared) plus 40 per decoded token."""
+    work, prompts_run = 0.0, set()
     for cell in cells:
         d = cell.description
         task = cell_task(cell)
         samples = task.sample_count(d["samples"])
         prompt, decoded = task.work(d["context_length"], d["max_new_tokens"])
         if not (share and task.shares_prefill and _sharable(cell) and cell.group in prompts_run):
-            seconds += prompt * samples * per_token
+            work += prompt * samples
         prompts_run.add(cell.group)
-        seconds += decoded * samples * per_token * 40
-    return seconds
+        work += decoded * samples * 40
+    return work
+
+
+def work_units(cells: list[Cell], share: bool) -> list[list[Cell]]:
+    """What an executor hands a worker at a time, longest first within each model (models in grid order, so a
+    worker loads each model once), so that the sweep's tail is short: a sample group's cells that share its prompt
+    forward, together; every other cell alone (its own prompt, or `--no-share`)."""
+    units: dict[tuple, list[Cell]] = {}
+    for cell in cells:
+        together = share and cell_task(cell).shares_prefill and _sharable(cell)
+        units.setdefault(cell.group if together else (cell.group, cell.id), []).append(cell)
+    models = list(dict.fromkeys(cell.model for cell in cells))
+    return sorted(units.values(), key=lambda unit: (models.index(unit[0].model), -token_work(unit, share)))
+
+
+def wall_seconds(unit_seconds: list[float], workers: int) -> float:
+    """The sweep's wall time when `workers` take the units in this order, each the next one as it gets free."""
+    free_at = [0.0] * workers
+    for seconds in unit_seconds:
+        heapq.heapreplace(free_at, free_at[0] + seconds)
+    return max(free_at)

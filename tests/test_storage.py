@@ -32,17 +32,23 @@ def _everything(n: int) -> torch.Tensor:
     return torch.ones(1, 2, n, dtype=torch.bool)
 
 
+def _round_trip(codec, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`x` encoded at `positions` (every slot kept) and decoded."""
+    return codec.decode(codec.encode(x, positions, torch.ones_like(positions, dtype=torch.bool),
+                                     int(positions.max())), positions)
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_quantization_error_within_half_a_step(bits):
     x = torch.randn(1, 2, 64, 32) * 3
     positions = torch.arange(64).expand(1, 2, 64)
     per_token = TokenQuant(bits, group=8)
-    got = per_token.decode(per_token.encode(x, positions, _everything(64)), positions)
+    got = _round_trip(per_token, x, positions)
     groups = x.unflatten(-1, (-1, 8))
     step = (groups.amax(-1) - groups.amin(-1)) / (2**bits - 1)  # each token's channel group's grid
     assert torch.all((got - x).abs().unflatten(-1, (-1, 8)) <= step[..., None] / 2 + 1e-5)
     per_channel = ChannelQuant(bits, group=16)
-    got = per_channel.decode(per_channel.encode(x, positions, _everything(64)), positions)
+    got = _round_trip(per_channel, x, positions)
     blocks = x.unflatten(2, (-1, 16))  # [B, H, 4 token groups, 16, D]
     step = (blocks.amax(3) - blocks.amin(3)) / (2**bits - 1)
     assert torch.all((got - x).abs().unflatten(2, (-1, 16)) <= step[:, :, :, None] / 2 + 1e-5)
@@ -54,16 +60,16 @@ def test_keys_per_channel_keep_an_outlier_channel_from_spoiling_the_others():
     positions = torch.arange(32).expand(1, 1, 32)
     normal = [c for c in range(16) if c != 5]
     per_channel, per_token = ChannelQuant(4, group=32), TokenQuant(4, group=16)
-    channel_error = (per_channel.decode(per_channel.encode(x, positions, _everything(32)[:, :1]), positions) - x).abs()
-    token_error = (per_token.decode(per_token.encode(x, positions, _everything(32)[:, :1]), positions) - x).abs()
+    channel_error = (_round_trip(per_channel, x, positions) - x).abs()
+    token_error = (_round_trip(per_token, x, positions) - x).abs()
     # per channel: the other channels keep their own fine grid; per token: the outlier's range sets every step
     assert channel_error[..., normal].max() < 0.5 < token_error[..., normal].mean()
     # and per token is the right axis for values with an outlier token
     x = torch.randn(1, 1, 32, 16)
     x[:, :, 7] *= 100
     normal_tokens = [t for t in range(32) if t != 7]
-    channel_error = (per_channel.decode(per_channel.encode(x, positions, _everything(32)[:, :1]), positions) - x).abs()
-    token_error = (per_token.decode(per_token.encode(x, positions, _everything(32)[:, :1]), positions) - x).abs()
+    channel_error = (_round_trip(per_channel, x, positions) - x).abs()
+    token_error = (_round_trip(per_token, x, positions) - x).abs()
     assert token_error[:, :, normal_tokens].max() < 0.5 < channel_error[:, :, normal_tokens].mean()
 
 
@@ -71,9 +77,9 @@ def test_lowrank_at_full_rank_reconstructs_exactly():
     x = torch.randn(1, 2, 40, 16)
     positions = torch.arange(40).expand(1, 2, 40)
     codec = LowRank(rank=16)
-    assert torch.allclose(codec.decode(codec.encode(x, positions, _everything(40)), positions), x, atol=1e-5)
+    assert torch.allclose(_round_trip(codec, x, positions), x, atol=1e-5)
     low = LowRank(rank=4)
-    error = (low.decode(low.encode(x, positions, _everything(40)), positions) - x).norm()
+    error = (_round_trip(low, x, positions) - x).norm()
     assert 0 < error < x.norm()
 
 
@@ -231,7 +237,7 @@ def test_every_eviction_policy_composes_with_a_storage(tiny_llama, name):
 def test_key_scale_rows_of_evicted_groups_are_given_back(tiny_llama):
     codec = ChannelQuant(4, group=8)
     x, positions = torch.randn(1, 2, 64, 16), torch.arange(64).expand(1, 2, 64)
-    fields = codec.encode(x, positions, _everything(64))
+    fields = codec.encode(x, positions, _everything(64), 63)
     before = codec.decode(fields, positions)
     codec.forget_before(40)  # groups 0-4 are gone: 5 of 8 rows dropped, the rest decode as before
     assert codec.low.shape[2] == 3 and codec.first == 5

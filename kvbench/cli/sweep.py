@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import typer
 from rich.markup import escape
 
 from kvbench.cli.app import PLUGINS, app, progress_bar, stderr, stdout, user_errors
+from kvbench.errors import KvbenchError
+
+if TYPE_CHECKING:
+    from kvbench.sweep import Progress
 
 
 def _default_output(name: str, shard_spec: str | None) -> str:
@@ -20,7 +27,8 @@ def sweep(
     overrides: list[str] = typer.Option([], "--set", help="Override a config key: --set budgets=[64,128], "
                                         "--set model.dtype=bfloat16; repeatable."),
     output: str | None = typer.Option(None, "--output", "-o", help="Run folder (default: results/<name>)."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the grid size and an estimated time; run nothing."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the grid size and an estimated time (with "
+                                 "--executor ray, for --workers N workers); run nothing."),
     force: bool = typer.Option(False, "--force", help="Reuse a folder that holds another config's results "
                                "(cells both configs share are kept)."),
     shard_spec: str | None = typer.Option(None, "--shard", help="Run the i-th of N deterministic slices: 0/4."),
@@ -30,45 +38,47 @@ def sweep(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar (for CI logs)."),
     trace: bool = typer.Option(False, "--trace", help="Save each sample's memory time series (NVML on a GPU, "
                                "RSS on CPU) in RUN/traces/<cell>.jsonl."),
+    executor: str = typer.Option("local", "--executor", help="local: this process; ray: the workers of a Ray "
+                                 "cluster (pip install 'kvbench[ray]'), into the same run folder."),
+    address: str | None = typer.Option(None, "--address", help="Ray cluster: auto (the one `ray start` began "
+                                       "here) or ray://host:port (default: that, else a new local one)."),
+    workers: int | None = typer.Option(None, "--workers", min=1, help="Ray workers (default: one per "
+                                       "--gpus-per-worker GPUs of the cluster; needed on a cluster without GPUs)."),
+    gpus_per_worker: float | None = typer.Option(None, "--gpus-per-worker", min=0, help="GPUs each Ray worker "
+                                                 "holds (default 1, or 0 on a cluster without GPUs)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="A line per Ray worker as it starts and ends each "
+                                 "unit of work."),
     plugins: str | None = PLUGINS,
 ) -> None:
     """Run a grid of policies x budgets x context lengths x tasks into a resumable run folder."""
     from kvbench.config import load_config
-    from kvbench.models import count_parameters, resolve_device
     from kvbench.registry import load_plugins
     from kvbench.results import RunFolder
     from kvbench.summary import summarize
-    from kvbench.sweep import ModelLoader, estimate_seconds, expand, finished_cells, outcome, shard
+    from kvbench.sweep import expand, finished_cells, outcome, shard
 
+    on_ray = _check_executor(executor, address=address, workers=workers, gpus_per_worker=gpus_per_worker,
+                             verbose=verbose)
     if plugins:
         load_plugins(plugins)
     cfg = load_config(config, overrides)
     cells = shard(expand(cfg), shard_spec)
     folder = RunFolder(output or cfg.output or _default_output(cfg.name, shard_spec))
     if dry_run:
-        done = folder.done() if folder.manifest() else set()
-        seconds = []
-        for model in cfg.model_grid():
-            parameters = count_parameters(model.id)
-            seconds.append(None if parameters is None else estimate_seconds(
-                [c for c in cells if c.description["model"] == model.identity()], parameters,
-                resolve_device(model.device), share))
-        estimate = "unknown" if None in seconds else f"~{sum(seconds) / 60:.1f} min"
-        stdout.print(f"{config}: {len(cells)} cells, {len({c.group for c in cells})} sample groups, "
-                     f"{len(done)} samples already in {folder.path}; estimated time {estimate} "
-                     "(a rough guess from model size: 2 x parameters FLOPs per token)", highlight=False)
+        _dry_run(config, cfg, cells, folder, share, workers if on_ray else None)
         return
     previous = folder.manifest()
     finished = finished_cells(folder, retry_failed)
     pending = [c for c in cells if c.id not in finished]
     if previous and previous["config_hash"] == cfg.result_hash() and not pending:
         completed = True  # nothing left to run: no need to load a model
+    elif on_ray:
+        completed = _run_on_ray(cfg, cells, (pending or cells)[0].model, folder, shard_spec, force, quiet, share,
+                                retry_failed, trace, [*([plugins] if plugins else []), *cfg.plugins], address,
+                                workers, gpus_per_worker, verbose)
     else:
-        models = ModelLoader(cfg)
-        # the first model to run loads before the run folder is written: a bad model spec stops here, nothing
-        # half-written; the sweep reuses it, and loads every other in turn
-        models.load((pending or cells)[0].model)
-        completed = _run(cfg, cells, models, folder, shard_spec, force, quiet, share, retry_failed, trace)
+        completed = _run_locally(cfg, cells, (pending or cells)[0].model, folder, shard_spec, force, quiet, share,
+                                 retry_failed, trace)
     frame = summarize(folder.path)
     if not quiet and not frame.empty:
         from kvbench.summary import model_facets
@@ -87,13 +97,83 @@ def sweep(
         raise typer.Exit(1)
 
 
-def _run(cfg, cells, models, folder, shard_spec, force: bool, quiet: bool, share: bool, retry_failed: bool,
-         trace: bool) -> bool:
+def _check_executor(executor: str, **ray_options: object) -> bool:
+    """Whether the sweep runs on Ray; an unknown executor, or a Ray option without it, is a one-line error."""
+    if executor not in ("local", "ray"):
+        raise KvbenchError(f"--executor '{executor}': choose local or ray")
+    given = [name for name, value in ray_options.items() if value is not None and value is not False]
+    if executor == "local" and given:
+        raise KvbenchError(f"--{given[0].replace('_', '-')} is an option of --executor ray")
+    if executor == "ray":
+        try:
+            import ray  # noqa: F401  (here only to say clearly, before any work, that it is missing)
+        except ImportError:
+            raise KvbenchError("--executor ray needs Ray: pip install 'kvbench[ray]'") from None
+    return executor == "ray"
+
+
+def _dry_run(path: str, cfg, cells, folder, share: bool, workers: int | None) -> None:
+    """The grid's size and a rough time: summed, or on `workers` Ray workers taking the longest unit first."""
+    from kvbench.models import count_parameters, resolve_device
+    from kvbench.sweep import estimate_seconds, wall_seconds, work_units
+
+    done = folder.done() if folder.manifest() else set()
+    sizes = {(model.id, model.dtype): (count_parameters(model.id), resolve_device(model.device))
+             for model in cfg.model_grid()}
+    units = work_units(cells, share)
+    if any(parameters is None for parameters, _ in sizes.values()):
+        estimate = "unknown"
+    else:
+        seconds = [estimate_seconds(unit, *sizes[unit[0].model], share) for unit in units]
+        total = sum(seconds) if workers is None else wall_seconds(seconds, workers)
+        estimate = f"~{total / 60:.1f} min" + ("" if workers is None else f" on {workers} Ray workers")
+    units_note = "" if workers is None else f" in {len(units)} units of work"
+    stdout.print(f"{path}: {len(cells)} cells, {len({c.group for c in cells})} sample groups{units_note}, {len(done)} "
+                 f"samples already in {folder.path}; estimated time {estimate} (a rough guess from model size: 2 x "
+                 "parameters FLOPs per token)", highlight=False)
+
+
+def _run_locally(cfg, cells, first_model, folder, shard_spec, force: bool, quiet: bool, share: bool,
+                 retry_failed: bool, trace: bool) -> bool:
+    from kvbench.results import environment
+    from kvbench.sweep import ModelLoader, manifest, run_sweep
+
+    models = ModelLoader(cfg)
+    # the first model to run loads before the run folder is written: a bad model spec stops here, nothing
+    # half-written; the sweep reuses it, and loads every other in turn
+    lm = models.load(first_model)
+    run_manifest = manifest(cfg, cells, lm.describe(), environment(lm.device), shard_spec, {"name": "local"})
+    del lm  # the loader holds the only reference, so it can free the model
+    return _run(cells, folder, run_manifest, force, quiet, lambda progress: run_sweep(
+        models, folder, cells, progress, share=share, retry_failed=retry_failed, trace=trace))
+
+
+def _run_on_ray(cfg, cells, first_model, folder, shard_spec, force: bool, quiet: bool, share: bool,
+                retry_failed: bool, trace: bool, plugin_folders: list[str], address: str | None,
+                workers: int | None, gpus_per_worker: float | None, verbose: bool) -> bool:
+    from pathlib import Path
+
+    from kvbench import ray_executor
+    from kvbench.sweep import manifest
+
+    # the workers import the same plugin folders, wherever their working directory is
+    folders = [str(Path(folder_path).resolve()) for folder_path in plugin_folders]
+    with ray_executor.cluster(address):
+        pool = ray_executor.WorkerPool(cfg, folders, workers, gpus_per_worker)
+        try:
+            model, machine = pool.describe(first_model)
+            run_manifest = manifest(cfg, cells, model, machine, shard_spec, pool.manifest_entry())
+            return _run(cells, folder, run_manifest, force, quiet, lambda progress: ray_executor.run_sweep(
+                pool, folder, cells, progress, share=share, retry_failed=retry_failed, trace=trace, verbose=verbose))
+        finally:
+            pool.close()
+
+
+def _run(cells, folder, run_manifest, force: bool, quiet: bool, run_sweep: Callable[[Progress], bool]) -> bool:
     """Open the run folder and run the sweep with a progress bar; False if interrupted."""
     from kvbench.results import now
-    from kvbench.sweep import Progress, manifest, run_sweep, sample_total
+    from kvbench.sweep import Progress, sample_total
 
-    run_manifest = manifest(cfg, cells, models.held, shard_spec)
     folder.open(run_manifest, force)
     with progress_bar(disable=quiet) as bar:
         cells_bar = bar.add_task("cells", total=len(cells))
@@ -104,9 +184,10 @@ def _run(cfg, cells, models, folder, shard_spec, force: bool, quiet: bool, share
             bar.update(samples_bar, completed=progress.samples_done, description=progress.current[:28] or "samples")
             while progress.log:
                 stderr.print(f"[yellow]cell failed:[/] {escape(progress.log.pop(0))}", highlight=False)
+            while progress.notes:
+                stderr.print(escape(progress.notes.pop(0)), highlight=False)
 
-        completed = run_sweep(models, folder, cells, Progress(len(cells), sample_total(cells), update), share=share,
-                              retry_failed=retry_failed, trace=trace)
+        completed = run_sweep(Progress(len(cells), sample_total(cells), update))
     folder.write_manifest({**(folder.manifest() or run_manifest), "finished": now() if completed else None})
     return completed
 
