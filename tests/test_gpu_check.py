@@ -135,28 +135,20 @@ def sweep_never_finished(out, cells):
     (out / "pressure.exit").unlink()
 
 
-def cells_missing(out, cells):
-    sweep = run_cells(cells, "s-")
-    sweep["s-snapkv"] = (sweep["s-snapkv"][0], None, [])
-    rewrite(out, "sweep", sweep)
+def sweep_cell_ends(cell_id: str, status: str | None, name: str):
+    """A breakage: the sweep's cell `cell_id` ends in `status` (None: not in the run folder) with no record."""
+    def breakage(out, cells):
+        sweep = run_cells(cells, "s-")
+        sweep[cell_id] = (sweep[cell_id][0], status, [])
+        rewrite(out, "sweep", sweep)
+    breakage.__name__ = name
+    return breakage
 
 
-def cell_in_error(out, cells):
-    sweep = run_cells(cells, "s-")
-    sweep["s-window"] = (sweep["s-window"][0], "error", [])
-    rewrite(out, "sweep", sweep)
-
-
-def oom_outside_pressure(out, cells):
-    sweep = run_cells(cells, "s-")
-    sweep["s-full"] = (sweep["s-full"][0], "oom", [])
-    rewrite(out, "sweep", sweep)
-
-
-def ok_without_its_record(out, cells):
-    sweep = run_cells(cells, "s-")
-    sweep["s-full"] = (sweep["s-full"][0], "ok", [])
-    rewrite(out, "sweep", sweep)
+cells_missing = sweep_cell_ends("s-snapkv", None, "cells_missing")
+cell_in_error = sweep_cell_ends("s-window", "error", "cell_in_error")
+oom_outside_pressure = sweep_cell_ends("s-full", "oom", "oom_outside_pressure")
+ok_without_its_record = sweep_cell_ends("s-full", "ok", "ok_without_its_record")
 
 
 def no_run_folder(out, cells):
