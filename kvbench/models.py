@@ -8,6 +8,7 @@ Every model runs with the `kvbench` attention implementation (attention.py).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import inspect
@@ -119,10 +120,11 @@ class LoadedModel:
     cache_arg: str
     takes_cache_position: bool
 
-    @property
+    @functools.cached_property
     def devices(self) -> list[torch.device]:
         """Every device holding part of the model, `device` first: a model loaded with `device_map` has its layers
-        spread over several (accelerate's `hf_device_map`); timing, peaks and memory caps cover them all."""
+        spread over several (accelerate's `hf_device_map`); timing, peaks and memory caps cover them all. Read once:
+        every decode step's stopwatch asks for it, and the placement does not change after loading."""
         placement = getattr(self.model, "hf_device_map", None) or {}
         # accelerate names a GPU by its index; weights offloaded to "disk" run on the execution device
         placed = [torch.device("cuda", where) if isinstance(where, int) else torch.device(where)
