@@ -9,7 +9,7 @@ with one decode token's SDPA over the same entries, the least a step spends on a
 
 "quant-4 evicted" has had one entry evicted after the prompt, as under an eviction policy: its slots are out of
 position order, so every slot is decoded with its key-scale row gathered (in order, a row serves its group of
-slots by broadcasting), and the step in 32 where a group ages looks its slots up on the device.
+slots by broadcasting), and the step in 32 where a group ages finds its slots on the device (nothing read back).
 """
 
 from __future__ import annotations

@@ -101,8 +101,9 @@ class Codec:
         """The entries `[B, H, n, D]` in the model dtype, written into `out` when given."""
         return fields["x"] if out is None else out.copy_(fields["x"])
 
-    def table_bytes(self, positions: torch.Tensor | None = None, held: torch.Tensor | None = None) -> int:
-        """Bytes of the layer-wide table: all of it, or the part the `held` `[B, H, n]` slots at `positions` use."""
+    def table_bytes(self, positions: Positions | None = None, held: torch.Tensor | None = None) -> int:
+        """Bytes of the layer-wide table: all of it, or the part the `held` `[B, H, n]` slots at `positions` use
+        (a range: positions every head holds)."""
         return 0
 
     def fit(self, head_dim: int) -> None:
@@ -110,6 +111,10 @@ class Codec:
 
     def forget_before(self, position: int) -> None:
         """No entry older than `position` is held any more: a table may drop what served only those."""
+
+    def has_row(self, position: int) -> bool:
+        """Whether the table already has room for `position` (if it frees rows: else it never grows)."""
+        return True
 
     def entry_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
         return sum(math.prod(shape) * kind.itemsize for shape, kind in self.fields(head_dim, dtype).values())
@@ -171,6 +176,9 @@ class ChannelQuant(Codec):
         self.low, self.scale = self.low[:, :, dead:].clone(), self.scale[:, :, dead:].clone()
         self.first += dead
 
+    def has_row(self, position: int) -> bool:
+        return self.low is not None and position // self.group - self.first < self.low.shape[2]
+
     def fit(self, head_dim: int) -> None:
         _whole_bytes(self.bits, head_dim)
 
@@ -208,12 +216,15 @@ class ChannelQuant(Codec):
             return out
         return torch.addcmul(low.float(), codes, scale.float()).to(self.low.dtype).view(shape)
 
-    def table_bytes(self, positions: torch.Tensor | None = None, held: torch.Tensor | None = None) -> int:
+    def table_bytes(self, positions: Positions | None = None, held: torch.Tensor | None = None) -> int:
         if self.low is None:
             return 0
         row_bytes = 2 * self.low.shape[-1] * self.low.element_size()
-        if held is None:
+        if positions is None:
             return self.low.shape[:3].numel() * row_bytes
+        if isinstance(positions, range):  # counted on the host
+            rows = (positions.stop - 1) // self.group - positions.start // self.group + 1 if positions else 0
+            return self.low.shape[0] * self.low.shape[1] * rows * row_bytes
         used = torch.zeros(self.low.shape[:3], dtype=torch.bool, device=self.low.device)
         used.scatter_(2, self._row_of(positions).clamp(0, self.low.shape[2] - 1), held)
         return int(used.sum()) * row_bytes  # a row counts once, however many of its tokens a head still holds
@@ -269,7 +280,7 @@ class LowRank(Codec):
         x = (fields["coefficients"].float() @ self.basis.float().transpose(-1, -2)).to(self.basis.dtype)
         return x if out is None else out.copy_(x)
 
-    def table_bytes(self, positions: torch.Tensor | None = None, held: torch.Tensor | None = None) -> int:
+    def table_bytes(self, positions: Positions | None = None, held: torch.Tensor | None = None) -> int:
         return 0 if self.basis is None else self.basis.numel() * self.basis.element_size()
 
     def _fit(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

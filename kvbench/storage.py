@@ -10,9 +10,9 @@ Attention reads a decoded copy of the layer (no fused dequantizing kernel here):
 K/V exists during its attention, and `kv_bytes_peak` counts it. A layer without a layout never comes here.
 
 A decode step reads nothing back from the device: which positions each tier holds, and while nothing was evicted
-which slot holds them, are counted on the host. Only on a layer that evicted, the step in `group` at which a group
-of older tokens ages into the next tier looks on the device for their slots (and for the oldest position held, so a
-key-scale table can give rows back).
+which slot holds them, are counted on the host. On a layer that evicted, the slots of a group that ages into the
+next tier are found on the device (as many per head as the host knows can move); only when a key-scale table must
+grow does it read the oldest position held, to give the rows of evicted groups back first (once per doubling).
 """
 
 from __future__ import annotations
@@ -132,8 +132,10 @@ class StoredLayerKV(LayerKV):
     def live_bytes(self) -> int:
         if self.positions is None:  # initialized, nothing stored yet
             return 0
-        positions = self.live_positions()
         padding = self.padding()
+        if self.in_order and padding is None:  # each tier holds a range of positions in every head: the host knows
+            return self._live_bytes_in_order()
+        positions = self.live_positions()
         held = torch.ones_like(positions, dtype=torch.bool) if padding is None else ~padding
         tiers = self._tiers(positions)
         total = 0
@@ -141,6 +143,16 @@ class StoredLayerKV(LayerKV):
             in_tier = held & (tiers == index)
             total += int(in_tier.sum()) * _entry_bytes(tier, self.owner.batch_heads_dim[2], self.dtype)
             total += tier.keys.table_bytes(positions, in_tier) + tier.values.table_bytes(positions, in_tier)
+        return total
+
+    def _live_bytes_in_order(self) -> int:
+        batch, heads, head_dim = self.owner.batch_heads_dim
+        bounds = [self.seen, *self.starts, 0]
+        total = 0
+        for index, tier in enumerate(self.layout.tiers):
+            held = range(bounds[index + 1], bounds[index])
+            total += batch * heads * len(held) * _entry_bytes(tier, head_dim, self.dtype)
+            total += tier.keys.table_bytes(held) + tier.values.table_bytes(held)
         return total
 
     def _buffers(self) -> list[torch.Tensor]:
@@ -154,10 +166,10 @@ class StoredLayerKV(LayerKV):
     def _tiers(self, positions: torch.Tensor, starts: list[int] | None = None) -> torch.Tensor:
         """Each slot's tier, by `starts` (the current ones by default): 0 for the newest, len(ring_sizes) for the
         oldest."""
-        starts = self.starts if starts is None else starts
-        if not starts:
-            return torch.zeros_like(positions)
-        return (positions[..., None] < torch.tensor(starts, device=positions.device)).sum(-1)
+        tiers = torch.zeros_like(positions)
+        for start in self.starts if starts is None else starts:  # compared with plain numbers: nothing copied over
+            tiers += positions < start
+        return tiers
 
     def _decoded(self, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The live entries in full precision, `[B, H, length + extra, D]` each in slot order (the `extra` last
@@ -211,7 +223,9 @@ class StoredLayerKV(LayerKV):
         # tier i holds positions [after[i + 1], after[i]); those beyond what it held before join it now
         joining = [(max(after[index + 1], before[index]), after[index]) for index in range(len(self.layout.tiers))]
         if not self.in_order and any(low < min(high, first_new) for low, high in joining):
-            self._store_found(keys, values, new_from, earlier)  # entries aged on a layer that evicted: where?
+            # entries aged on a layer that evicted: where? At most this many per head move
+            moving = min(self.length, sum(high - low for low, high in joining))
+            self._store_found(keys, values, new_from, earlier, moving)
             return
         offset = 0 if self.in_order else new_from - first_new  # the slot of a position that joins a tier
         for index, (low, high) in enumerate(joining):
@@ -221,29 +235,29 @@ class StoredLayerKV(LayerKV):
                 self._encode(index, keys[:, :, slots], values[:, :, slots], slots, positions,
                              torch.ones_like(positions, dtype=torch.bool), newest=self.seen - 1)
 
-    def _store_found(self, keys: torch.Tensor, values: torch.Tensor, new_from: int, earlier: list[int]) -> None:
+    def _store_found(self, keys: torch.Tensor, values: torch.Tensor, new_from: int, earlier: list[int],
+                     moving: int) -> None:
         """`_store` where the slots to encode are found on the device, from each slot's tier by the `earlier` starts
-        and by the current ones."""
+        and by the current ones: each head's `moving` slots most likely to have moved (all that did, then any)."""
         positions = self.live_positions()
-        moved = self._tiers(positions, earlier) != self._tiers(positions)
+        after = self._tiers(positions)
+        moved = self._tiers(positions, earlier) != after
         moved[..., new_from:] = True
-        slots = _columns(moved)  # usually the new slots, plus a group that aged
-        moved, after, positions = moved[:, :, slots], self._tiers(positions[:, :, slots]), positions[:, :, slots]
-        keys, values = keys[:, :, slots], values[:, :, slots]
-        newest = int(positions.max())
+        slots = moved.to(torch.int8).topk(moving, dim=-1, sorted=False).indices  # [B, H, moving], distinct per head
+        moved, after, positions = moved.gather(2, slots), after.gather(2, slots), positions.gather(2, slots)
+        keys, values = keys.gather(2, _expand(slots, keys)), values.gather(2, _expand(slots, values))
         for index in range(len(self.layout.tiers)):
-            chosen = moved & (after == index)
-            if bool(chosen.any()):
-                self._encode(index, keys, values, slots, positions, chosen, newest)
+            self._encode(index, keys, values, slots, positions, moved & (after == index), newest=self.seen - 1)
 
     def _encode(self, index: int, keys: torch.Tensor, values: torch.Tensor, slots: slice | torch.Tensor,
                 positions: torch.Tensor, chosen: torch.Tensor, newest: int) -> None:
-        """Encode the `chosen` of these slots into tier `index`."""
+        """Encode the `chosen` of these slots (the same `slots` in every head, or `[B, H, k]` per head) into tier
+        `index`."""
         tier = self.layout.tiers[index]
-        if index == len(self.rings):  # entries join the oldest tier: first let its tables drop what is gone
-            for codec in (tier.keys, tier.values):
-                if codec.frees_rows:
-                    codec.forget_before(0 if self.in_order else int(self.live_positions().min()))
+        if index == len(self.rings) and not self.in_order:  # entries join the oldest tier: before a table grows,
+            for codec in (tier.keys, tier.values):  # let it drop the rows of groups no slot holds any more
+                if codec.frees_rows and not codec.has_row(newest):
+                    codec.forget_before(int(self.live_positions().min()))
         encoded = {f"{kind}.{name}": field for kind, codec, x in (("keys", tier.keys, keys),
                                                                   ("values", tier.values, values))
                    for name, field in codec.encode(x, positions, chosen, newest).items()}
@@ -252,14 +266,13 @@ class StoredLayerKV(LayerKV):
             cells = torch.where(chosen, positions % size, size)  # the others write the spare cell
             for name, buffer in self.rings[index].items():
                 buffer.scatter_(2, _expand(cells, buffer), encoded[name])
-        else:
+        elif isinstance(slots, slice):
             for name, buffer in self.fields.items():
                 buffer[:, :, slots] = torch.where(chosen[..., None], encoded[name], buffer[:, :, slots])
-
-
-def _columns(mask: torch.Tensor) -> torch.Tensor:
-    """The slots where `mask` `[B, H, n]` is set for some row or head: the ones worth touching."""
-    return mask.any(0).any(0).nonzero().squeeze(1)
+        else:
+            for name, buffer in self.fields.items():
+                index = _expand(slots, buffer)
+                buffer.scatter_(2, index, torch.where(chosen[..., None], encoded[name], buffer.gather(2, index)))
 
 
 def _round_up(value: int, multiple: int) -> int:
