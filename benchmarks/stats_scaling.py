@@ -4,6 +4,7 @@ long cache, in one run.
 
     python benchmarks/stats_scaling.py [--model smollm2-135m] [--layers 4] [--lengths 2048 4096 8192 16384]
     python benchmarks/stats_scaling.py --model random:llama-3-8b --layers 2
+    python benchmarks/stats_scaling.py --policies full h2o --lengths 8192 16384 --repeats 5 --decode-length 0
 
 Every length runs each policy `--repeats` times, interleaved (full, h2o, ..., full, h2o, ...), on a random
 prompt; the median prefill time is reported as a ratio over `full`'s, and the peak memory above the
@@ -90,36 +91,38 @@ def decode_steps(lm: LoadedModel, name: str, ids: list[int], steps: int, clock: 
     return seconds
 
 
-def prefill_table(lm: LoadedModel, lengths: list[int], budget: float, repeats: int, vocab: int, clock: str) -> None:
+def prefill_table(lm: LoadedModel, policies: list[str], lengths: list[int], budget: float, repeats: int, vocab: int,
+                  clock: str) -> None:
     print(f"{'tokens':>7}{'policy':>14}{'prefill s':>11}{'vs full':>9}{'peak MiB':>10}{'extra MiB':>11}")
     for length in lengths:
         torch.manual_seed(length)
         ids = torch.randint(vocab, (length,)).tolist()
-        seconds: dict[str, list[float]] = {name: [] for name in POLICIES}
-        peaks: dict[str, list[int]] = {name: [] for name in POLICIES}
+        seconds: dict[str, list[float]] = {name: [] for name in policies}
+        peaks: dict[str, list[int]] = {name: [] for name in policies}
         for _ in range(repeats):
-            for name in POLICIES:
+            for name in policies:
                 time_s, peak = prefill(lm, name, ids, budget, clock)
                 seconds[name].append(time_s)
                 peaks[name].append(peak)
         base_s, base_peak = statistics.median(seconds["full"]), statistics.median(peaks["full"])
-        for name in POLICIES:
+        for name in policies:
             time_s, peak = statistics.median(seconds[name]), statistics.median(peaks[name])
             print(f"{length:>7}{name:>14}{time_s:>11.2f}{time_s / base_s:>8.2f}x{peak / 2**20:>10.0f}"
                   f"{(peak - base_peak) / 2**20:>+11.0f}", flush=True)
 
 
-def decode_table(lm: LoadedModel, length: int, steps: int, repeats: int, vocab: int, clock: str) -> None:
+def decode_table(lm: LoadedModel, policies: list[str], length: int, steps: int, repeats: int, vocab: int,
+                 clock: str) -> None:
     torch.manual_seed(length)
     ids = torch.randint(vocab, (length,)).tolist()
-    step_s: dict[str, list[float]] = {name: [] for name in POLICIES}
+    step_s: dict[str, list[float]] = {name: [] for name in policies}
     for _ in range(repeats):
-        for name in POLICIES:
+        for name in policies:
             step_s[name].extend(decode_steps(lm, name, ids, steps, clock))
     base_ms = statistics.median(step_s["full"]) * 1e3
     print(f"decode at {length} tokens, median of {steps} steps x {repeats}")
     print(f"{'policy':>14}{'ms/step':>9}{'vs full':>9}")
-    for name in POLICIES:
+    for name in policies:
         step_ms = statistics.median(step_s[name]) * 1e3
         print(f"{name:>14}{step_ms:>9.1f}{step_ms / base_ms:>8.2f}x", flush=True)
 
@@ -128,6 +131,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", help="smollm2-135m (embedded), random:llama-3-8b, ...")
     parser.add_argument("--layers", type=int, default=4, help="keep the first layers only (0: all)")
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES,
+                        help="full and some of the others (ratios are over full's)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--budget", type=float, default=0.25, help="kept share of the prompt (or tokens if >= 1)")
     parser.add_argument("--repeats", type=int, default=1)
@@ -135,15 +140,16 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="cpu: the process's CPU seconds")
     args = parser.parse_args()
+    policies = ["full", *(name for name in args.policies if name != "full")]
 
     lm = load_layers(args.model, args.layers)
     vocab = min(256, lm.model.config.vocab_size)
     prefill(lm, "h2o", torch.randint(vocab, (64,)).tolist(), args.budget, args.clock)  # warm-up
     print(f"model {args.model}, {lm.num_layers} layers, budget {args.budget}, {torch.get_num_threads()} threads, "
           f"device {lm.device}, {args.clock} clock, median of {args.repeats}")
-    prefill_table(lm, args.lengths, args.budget, args.repeats, vocab, args.clock)
+    prefill_table(lm, policies, args.lengths, args.budget, args.repeats, vocab, args.clock)
     if args.decode_length:
-        decode_table(lm, args.decode_length, args.decode_steps, args.repeats, vocab, args.clock)
+        decode_table(lm, policies, args.decode_length, args.decode_steps, args.repeats, vocab, args.clock)
 
 
 if __name__ == "__main__":
