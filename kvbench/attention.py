@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from transformers import AttentionInterface
@@ -56,7 +56,7 @@ def kvbench_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     observer = kwargs.get("kv_observer")
-    scaling = scaling if scaling is not None else module.scaling
+    scaling = scaling if scaling is not None else cast(float, module.scaling)
     if observer is None:  # a stock cache (slots are positions): transformers' mask is right, only softcap is ours
         kind, padding = LayerKind(softcap=kwargs.get("softcap")), None
     else:
@@ -65,7 +65,7 @@ def kvbench_attention(
         _check_kind(module, kind, kwargs)
     if kind.window is not None and observer is not None:
         # slots are not in position order once entries moved: the window is applied to true positions
-        attention_mask = sliding_mask(layer, query.shape[-2], query.shape[1])
+        attention_mask = sliding_mask(layer, kind.window, query.shape[-2], query.shape[1])
         if padding is not None:
             attention_mask = attention_mask & ~_per_query_head(padding, query.shape[1]) | _diagonal(attention_mask)
     elif padding is not None:
@@ -133,13 +133,14 @@ def window_visible(key_positions: torch.Tensor, query_positions: torch.Tensor, w
     return (keys <= queries) & (keys > queries - window)
 
 
-def sliding_mask(layer: LayerKV, queries: int, heads: int) -> torch.Tensor:
-    """`[B, 1 or heads, q, n]` boolean mask of a sliding layer's attention from its slots' true positions. The new
-    queries are the last `queries` slots; one row serves every head until a policy evicted per head."""
+def sliding_mask(layer: LayerKV, window: int, queries: int, heads: int) -> torch.Tensor:
+    """`[B, 1 or heads, q, n]` boolean mask of a sliding layer's attention (`window`, its kind's) from its slots'
+    true positions. The new queries are the last `queries` slots; one row serves every head until a policy evicted
+    per head."""
     positions = layer.live_positions()
     if layer.heads_share_positions:
         positions = positions[:, :1]
-    visible = window_visible(positions, positions[..., -queries:], layer.kind.window)
+    visible = window_visible(positions, positions[..., -queries:], window)
     return visible.repeat_interleave(heads // visible.shape[1], dim=1)
 
 
@@ -233,9 +234,10 @@ def attention_probs(
                               out=buffer[:elements].view(batch, kv_heads, group * size, visible)).view(shape)
         if kind.softcap is not None:
             logits.div_(kind.softcap).tanh_().mul_(kind.softcap)
-        if size > 1:  # causal mask: only the chunk's own trailing block has masked slots
+        if ahead is not None and size > 1:  # causal mask: only the chunk's own trailing block has masked slots
             logits[..., visible - size :].masked_fill_(ahead[:size, :size], float("-inf"))
         if kind.window is not None:
+            assert positions is not None, "a sliding layer's statistics need its slots' positions"
             seen = positions[..., :visible]
             query_positions = positions[..., n - q_len + start : n - q_len + stop]
             logits.masked_fill_(~window_visible(seen, query_positions, kind.window)[:, :, None], float("-inf"))

@@ -271,8 +271,8 @@ class StoredLayerKV(LayerKV):
                 buffer[:, :, slots] = torch.where(chosen[..., None], encoded[name], buffer[:, :, slots])
         else:
             for name, buffer in self.fields.items():
-                index = _expand(slots, buffer)
-                buffer.scatter_(2, index, torch.where(chosen[..., None], encoded[name], buffer.gather(2, index)))
+                per_head = _expand(slots, buffer)
+                buffer.scatter_(2, per_head, torch.where(chosen[..., None], encoded[name], buffer.gather(2, per_head)))
 
 
 def _round_up(value: int, multiple: int) -> int:
