@@ -185,7 +185,7 @@ def test_each_cell_says_the_smallest_drop_it_could_detect(tmp_path):
 
 
 def ci_like_cells() -> dict[str, dict]:
-    """The committed CI baseline's cells (baselines/gate.json: 5 policies and full, 2 needles per cell, few of
+    """The committed CI baseline's cells (baselines/gate.json: 7 policies and full, 2 needles per cell, few of
     them found) as constructed cells with the same per-sample scores."""
     import json
 
@@ -222,8 +222,8 @@ def test_the_ci_gate_fails_each_broken_run(tmp_path, how):
     result = run_gate(tmp_path / how, ci, broken(ci, how), *options, "--markdown", str(tmp_path / "m.md"))
     assert result.exit_code == 1, result.output
     failed = [line for line in (tmp_path / "m.md").read_text().splitlines() if "| fail |" in line]
-    if how == "zeroed":  # no single cell of two needles can show it: the run's pool does
-        assert len(failed) == 1 and "pooled: every policy but full" in failed[0]
+    if how == "zeroed":  # the run's pool shows it, whichever single cells of two needles can
+        assert any("pooled: every policy but full" in line for line in failed)
 
 
 def test_a_rise_of_kl_from_the_full_cache_fails_where_scores_cannot_show_it(tmp_path):
