@@ -224,7 +224,7 @@ class StoredLayerKV(LayerKV):
         joining = [(max(after[index + 1], before[index]), after[index]) for index in range(len(self.layout.tiers))]
         if not self.in_order and any(low < min(high, first_new) for low, high in joining):
             # entries aged on a layer that evicted: where? At most this many per head move
-            moving = min(self.length, sum(high - low for low, high in joining))
+            moving = min(self.length, sum(max(0, high - low) for low, high in joining))
             self._store_found(keys, values, new_from, earlier, moving)
             return
         offset = 0 if self.in_order else new_from - first_new  # the slot of a position that joins a tier
