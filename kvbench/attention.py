@@ -212,7 +212,7 @@ def attention_probs(
     query dimension, so one matmul per chunk reads the float32 keys in place (no per-group copy of them).
     Every chunk's logits are written into one buffer, allocated once per call (a fresh chunk-sized block per
     chunk costs page faults on every chunk on CPU), and the softmax overwrites them in place (its kernels read a
-    row before writing it; one buffer instead of two keeps a chunk in the CPU's cache: -15% per call):
+    row before writing it; one buffer instead of two keeps more of a chunk in the CPU's cache):
     `probs` is valid until the next chunk is asked for, so a caller reduces or copies it first.
     """
     batch, heads, q_len, head_dim = query.shape
