@@ -28,7 +28,7 @@ test: install
 	$(BIN)/python -m pytest -q
 
 lint: install
-	$(BIN)/ruff check kvbench policies tasks tests benchmarks
+	$(BIN)/ruff check kvbench policies tasks tests benchmarks parity
 
 typecheck: install
 	$(BIN)/mypy

@@ -51,14 +51,14 @@ def model_shape(model: str) -> Shape:
         return SHAPES[model.lower()]
     from transformers import AutoConfig
 
-    from kvbench.models import _local_source, _random_config, config_parameters
+    from kvbench.models import _random_config, config_parameters, local_source
 
     if model.startswith("random:"):
         config = _random_config(model.removeprefix("random:"))
     else:
         try:
             with _quiet_hub():
-                config = AutoConfig.from_pretrained(_local_source(model))
+                config = AutoConfig.from_pretrained(local_source(model))
         except OSError as exc:  # not a folder, not on the hub, offline
             raise KvbenchError(f"model '{model}': its config could not be found locally or fetched from the hub "
                                f"(nor is it a built-in shape): {str(exc).splitlines()[0]}") from None

@@ -243,7 +243,7 @@ def load_model(spec: str, dtype: str = "auto", device: str = "auto", device_map:
     if spec.startswith("random:"):
         model, tokenizer = _random_model(spec.removeprefix("random:"), torch_dtype, target, seed)
     else:
-        source = _local_source(spec)
+        source = local_source(spec)
         try:
             layer_kinds(AutoConfig.from_pretrained(source))  # an unsupported architecture stops before its weights
         except (OSError, ValueError) as exc:
@@ -284,7 +284,7 @@ def count_parameters(spec: str) -> int | None:
         elif spec.endswith(".gguf"):
             return None
         else:
-            config = AutoConfig.from_pretrained(_local_source(spec), local_files_only=True)
+            config = AutoConfig.from_pretrained(local_source(spec), local_files_only=True)
         return config_parameters(config)
     except (KvbenchError, OSError, ValueError):
         return None
@@ -297,7 +297,7 @@ def config_parameters(config: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _local_source(spec: str) -> str:
+def local_source(spec: str) -> str:
     """Map a spec to something `from_pretrained` takes; GGUF files are converted once and cached."""
     if spec in EMBEDDED_MODELS:
         distribution, file = EMBEDDED_MODELS[spec]

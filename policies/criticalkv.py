@@ -13,10 +13,19 @@ from kvbench.policies.base import Rescorer, register
 class CriticalKV(Rescorer):
     """CriticalKV (Feng et al. 2025): a base policy's scores corrected by what an entry adds to the output.
 
-    Two stages, as kvpress's CriticalKVPress: the base's `int(first_stage_ratio x budget)` best entries per head
-    are kept outright; the rest of the budget goes to the best of (base score + `epsilon`) x ||W_o v||_1, the L1
-    norm of the entry's value through each query head's slice of the output projection, averaged over the KV
-    head's query heads. Entries the base protects (a window) stay protected. Its phases are its base's.
+    Two stages: the base's `int(first_stage_ratio x budget)` best entries per head are kept outright; the rest of
+    the budget goes to the best of (base score + `epsilon`) x ||W_o v||_1, the L1 norm of the entry's value through
+    each query head's slice of the output projection, averaged over the KV head's query heads. `epsilon` is added
+    on the base's own scale (SnapKV's mean attention weight), so it weighs as the paper and the official code
+    weigh it. Entries the base protects (a window) stay protected. Its phases are its base's.
+
+    What it follows: the authors' code (FFY0/AdaKV-in-NVIDIA-kvpress, branch criticalkv,
+    `CriticalKVPress.score`) and kvpress 0.5.5's CriticalKVPress, which agree but for details of tiny budgets:
+    the official SnapKV pads its window with the prefix's best score, so window entries compete in the second
+    stage when the first is smaller than the window (kvpress pads with best + 1; kvbench protects them, the
+    window being SnapKV's own); kvpress floors a first stage of zero entries at one, kvbench keeps the official
+    zero. The first stage's size comes from the budget in entries, where both compute `int((1 - ratio) x prompt
+    x first_stage_ratio)` from a ratio (the same count for a whole-number budget).
     """
 
     name = "criticalkv"

@@ -14,7 +14,13 @@ from kvbench.policies.base import Policy, positive, register
 @register
 @dataclass
 class SnapKV(Policy):
-    """SnapKV (Li et al. 2024): one snapshot of the prompt scored by its last `window` queries."""
+    """SnapKV (Li et al. 2024): one snapshot of the prompt scored by its last `window` queries.
+
+    An entry's score is its mean attention weight over the window's queries and the KV head's query heads (the
+    paper's and kvpress's scale, which wrappers adding a constant rely on: CriticalKV's epsilon), pooled over
+    neighbouring positions. With `pooling: avg` this is kvpress's SnapKVPress exactly (averaging commutes with
+    its per-query-head pooling); `max` pools the group's mean, where kvpress has no max pooling.
+    """
 
     name = "snapkv"
     phases = ("prefill",)
@@ -42,6 +48,7 @@ class SnapKV(Policy):
         for _, probs in attention_probs(window_queries, key, scaling, layer.padding(), layer.kind,
                                        layer.live_positions()):
             votes[..., : probs.shape[-1]] += probs.sum(dim=(2, 3))
+        votes /= window_queries.shape[1] // key.shape[1] * window_queries.shape[2]  # a mean over the group and queries
 
     def score(self, layer, budget: int) -> torch.Tensor:
         # pool over neighbouring *positions* of the prefix (slots are not in position order after

@@ -129,7 +129,7 @@ def h2o_reference(lm, prompt: list[int], decode: list[int], budget: int, recent:
 @torch.no_grad()
 def snapkv_reference(lm, prompt: list[int], window: int, kernel: int, pooling: str) -> list[torch.Tensor]:
     """Per layer, the `[kv_heads, prefix]` SnapKV scores of the prompt: the last `window` queries'
-    attention to the prefix, summed over those queries and each KV head's query heads, then pooled.
+    attention to the prefix, averaged over those queries and each KV head's query heads, then pooled.
     The policy keeps the top `budget - window` of them plus the window. On a sliding layer of window W the prefix
     is what the next query still sees (from position n - W + 1), pooled over only those; earlier positions score
     -inf."""
@@ -140,7 +140,7 @@ def snapkv_reference(lm, prompt: list[int], window: int, kernel: int, pooling: s
     for layer in range(lm.num_layers):
         first = 0 if attention.windows[layer] is None else max(0, n - attention.windows[layer] + 1)
         weights = attention.weights[layer][0, :, n - window :, first : n - window]  # [H, window, prefix]
-        votes = weights.sum(dim=1).view(lm.kv_heads, -1, n - window - first).sum(dim=1)
+        votes = weights.mean(dim=1).view(lm.kv_heads, -1, n - window - first).mean(dim=1)
         pool = F.max_pool1d if pooling == "max" else F.avg_pool1d
         pooled = pool(votes[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
         scores.append(torch.cat([torch.full((lm.kv_heads, first), float("-inf")), pooled], dim=1))

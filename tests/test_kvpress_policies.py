@@ -247,8 +247,9 @@ def projected_norms(lm, values: torch.Tensor, layer: int) -> torch.Tensor:
     return norms
 
 
-def test_criticalkv_keeps_the_first_stage_then_the_output_weighted_best(sharp_llama):
-    window, eps, ratio = 8, 1e-4, 0.5
+@pytest.mark.parametrize("eps", [1e-4, 0.02])  # 0.02 weighs as much as a mean attention weight: the scale matters
+def test_criticalkv_keeps_the_first_stage_then_the_output_weighted_best(sharp_llama, eps):
+    window, ratio = 8, 0.5
     cache = DynamicCache()
     stock_forward(sharp_llama, cache, PROMPT, 0)
     base = snapkv_reference(sharp_llama, PROMPT, window, 7, "max")

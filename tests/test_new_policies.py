@@ -210,10 +210,40 @@ def test_chunkkv_keeps_whole_chunks_by_their_base_scores(sharp_llama, base, chun
         assert all(m.shape[1] == len(PROMPT) + step for m in masks)
 
 
+def kvpress_chunks_reference(scores: torch.Tensor, window: int, chunk: int, budget: int) -> torch.Tensor:
+    """kvpress 0.5.5's ChunkKVPress over SnapKV, from its definition: the window scored as the layer's best prefix
+    score + 1, a chunk's score the sum over heads of its mean, only whole chunks kept (the remainder a chunk of
+    its own), int(chunks x budget / n) of them; `scores` `[heads, n - window]`."""
+    heads, n = scores.shape[0], scores.shape[1] + window
+    padded = torch.cat([scores, torch.full((heads, window), scores.max().item() + 1)], dim=1)
+    chunks = [list(range(start, min(start + chunk, n))) for start in range(0, n, chunk)]
+    value = [float(padded[:, c].mean(dim=1).sum()) for c in chunks]
+    kept = torch.zeros(n, dtype=torch.bool)
+    for i in sorted(range(len(chunks)), key=lambda i: -value[i])[: max(1, int(len(chunks) * budget / n))]:
+        kept[chunks[i]] = True
+    return kept.expand(heads, n)
+
+
+@pytest.mark.parametrize("chunk", [10, 7])
+def test_chunkkv_whole_chunks_is_kvpress_chunkkv(sharp_llama, chunk):
+    window = 8
+    base = {"name": "snapkv", "window": window, "kernel": 5, "pooling": "avg"}
+    policy = build_policy("chunkkv", {"base": base, "chunk": chunk, "whole_chunks": True})
+    _, history = run_cache(sharp_llama, policy, PROMPT, DECODE, BUDGET)
+    scores = snapkv_reference(sharp_llama, PROMPT, window=window, kernel=5, pooling="avg")
+    for layer, (mask, layer_scores) in enumerate(zip(history[0], scores, strict=True)):
+        assert torch.equal(mask, kvpress_chunks_reference(layer_scores, window, chunk, BUDGET)), f"layer {layer}"
+    if chunk == 7:  # 5 whole chunks (of 7, or the last one of 5): 33 or 35 entries, not the budget of 40
+        assert {int(mask.sum(-1).max()) for mask in history[0]} <= {33, 35}
+    with pytest.raises(KvbenchError, match="whole_chunks compresses the prompt once"):
+        build_policy("chunkkv", {"base": "h2o", "whole_chunks": True})
+
+
 def test_chunkkv_takes_its_bases_phases(sharp_llama):
     policy = build_policy("chunkkv", {"base": {"name": "knorm", "decode": True}, "chunk": 4})
     assert policy.evicts_during_decode and not build_policy("chunkkv").evicts_during_decode
-    assert build_policy("chunkkv").describe() == {"name": "chunkkv", "base": "snapkv", "chunk": 10}
+    assert build_policy("chunkkv").describe() == {"name": "chunkkv", "base": "snapkv", "chunk": 10,
+                                                  "whole_chunks": False}
     _, history = run_cache(sharp_llama, policy, PROMPT, DECODE, BUDGET)
     assert all(int(m.sum(-1).max()) == BUDGET for step in history for m in step)
 

@@ -1,0 +1,115 @@
+"""The kvbench side of the parity check, and the verdict (kvbench's environment):
+
+    python -m parity.compare WORK [--markdown FILE]   # reads WORK/kvpress.pt (parity/run_kvpress.py)
+
+Runs every case of parity/cases.yaml through kvbench on the same models and prompts, compares the positions each
+(prompt, layer, KV head) holds with kvpress's, prints one line per case and exits 1 when any case is below its
+tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+import yaml
+
+from kvbench.models import load_model
+from kvbench.policies.base import build_spec
+from kvbench.session import RunSettings, Session
+from tests.helpers import kept_masks
+
+CASES = Path(__file__).with_name("cases.yaml")
+
+
+@dataclass
+class Agreement:
+    case: str
+    model: str
+    mean: float
+    worst: float
+    kept_kvbench: int  # entries held, summed over prompts, layers and heads
+    kept_kvpress: int
+
+
+def agreement(ours: torch.Tensor, theirs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per KV head `[heads]`: Jaccard of the held positions, or `nested` overlap (of the smaller set)."""
+    common = (ours & theirs).sum(-1).double()
+    if kind == "nested":
+        return common / torch.minimum(ours.sum(-1), theirs.sum(-1)).clamp_min(1)
+    return common / (ours | theirs).sum(-1).clamp_min(1)
+
+
+def kvbench_masks(lm, spec: dict, prompt: list[int], budget: int) -> list[torch.Tensor]:
+    session = Session(lm, build_spec(spec), RunSettings(budget=budget), prompt_tokens=len(prompt))
+    session.prefill(prompt)
+    return kept_masks(session.cache)
+
+
+def compare(work: Path, config: dict) -> list[Agreement]:
+    theirs = torch.load(work / "kvpress.pt")
+    prompts = json.loads((work / "prompts.json").read_text())
+    rows = []
+    for model in config["models"]:
+        name = model["name"]
+        lm = load_model(str(work / "models" / name), dtype="float32", device="cpu")
+        for case in config["cases"]:
+            scores, ours_kept, theirs_kept = [], 0, 0
+            for prompt, their_masks in zip(prompts[name], theirs[name][case["name"]], strict=True):
+                our_masks = kvbench_masks(lm, case["kvbench"], prompt, int(config["budget_ratio"] * len(prompt)))
+                for ours, other in zip(our_masks, their_masks, strict=True):
+                    scores.append(agreement(ours, other, case["agreement"]))
+                    ours_kept, theirs_kept = ours_kept + int(ours.sum()), theirs_kept + int(other.sum())
+            values = torch.cat(scores)
+            rows.append(Agreement(case["name"], name, values.mean().item(), values.min().item(), ours_kept,
+                                  theirs_kept))
+    return rows
+
+
+def verdicts(rows: list[Agreement], config: dict) -> list[tuple[Agreement, bool]]:
+    limits = {case["name"]: case for case in config["cases"]}
+    return [(row, row.mean >= limits[row.case]["min_mean"] and row.worst >= limits[row.case]["min_worst"])
+            for row in rows]
+
+
+def markdown(judged: list[tuple[Agreement, bool]], config: dict) -> str:
+    cases = {case["name"]: case for case in config["cases"]}
+    lines = ["| policy | kvpress press | model | agreement | mean | worst | entries kvbench / kvpress | passes |",
+             "|---|---|---|---|---:|---:|---:|---|"]
+    for row, passed in judged:
+        case = cases[row.case]
+        lines.append(f"| `{row.case}` | `{case['kvpress']['class']}` | {row.model} | {case['agreement']} | "
+                     f"{row.mean:.4f} | {row.worst:.4f} | {row.kept_kvbench} / {row.kept_kvpress} | "
+                     f"{'yes' if passed else '**no**'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("work", type=Path)
+    parser.add_argument("--markdown", type=Path, help="also write the table as Markdown")
+    args = parser.parse_args()
+    transformers.utils.logging.disable_progress_bar()
+    config = yaml.safe_load(CASES.read_text())
+    judged = verdicts(compare(args.work, config), config)
+    limits = {case["name"]: case for case in config["cases"]}
+    for row, passed in judged:
+        limit = limits[row.case]
+        print(f"parity: {'ok  ' if passed else 'FAIL'} {row.case:<19} {row.model:<13} {limit['agreement']:<7} "
+              f"mean {row.mean:.4f} (>= {limit['min_mean']}) worst {row.worst:.4f} (>= {limit['min_worst']}) "
+              f"entries {row.kept_kvbench} / {row.kept_kvpress}")
+    if args.markdown:
+        args.markdown.write_text(markdown(judged, config))
+    failed = sorted({row.case for row, passed in judged if not passed})
+    print(f"parity: {len(judged) - sum(not p for _, p in judged)} passed, {sum(not p for _, p in judged)} failed"
+          + (f" ({', '.join(failed)})" if failed else ""))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

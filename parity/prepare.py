@@ -1,0 +1,83 @@
+"""Writes what both sides of the kvpress parity check read (kvbench's environment): every model of
+parity/cases.yaml as a transformers folder without a chat template, and its prompts as token ids.
+
+    python -m parity.prepare WORK     # WORK/models/<name>/, WORK/prompts.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+from kvbench.models import load_model, local_source
+from kvbench.tasks.corpus import load_corpus
+
+CASES = Path(__file__).with_name("cases.yaml")
+# random weights attend almost uniformly, where scores tie; peaked attention separates them, too peaked an attention
+# underflows to ties again: 12 x each projection, or about 2 x a q/k norm's weight (its output is already of unit
+# scale), drawn per channel as a trained norm's are (a norm of equal weights gives every key one length)
+SHARPEN, SHARPEN_NORMED = 12.0, 2.0
+SEED = 3
+
+
+def random_model(shape: str, folder: Path) -> None:
+    lm = load_model(f"random:{shape}", dtype="float32", device="cpu", seed=SEED)
+    generator = torch.Generator().manual_seed(SEED)
+    for layer in lm.model.model.layers:
+        attention = layer.self_attn
+        if hasattr(attention, "q_norm"):  # a q/k norm undoes any scaling of its projection
+            for norm in (attention.q_norm, attention.k_norm):
+                spread = torch.randn(norm.weight.shape, generator=generator)
+                norm.weight.data = SHARPEN_NORMED * (1 + 0.3 * spread)
+        else:
+            for projection in (attention.q_proj, attention.k_proj):
+                projection.weight.data.mul_(SHARPEN)
+    lm.model.save_pretrained(folder)
+    lm.tokenizer.save_pretrained(folder)
+
+
+def linked_without_chat_template(source: Path, folder: Path) -> None:
+    """`source`'s files linked into `folder`, its tokenizer without a chat template: KVzip's repeat request then
+    ends in a newline on both sides, and kvpress finds no template prefix in a prompt that has none."""
+    folder.mkdir(parents=True)
+    for file in source.iterdir():
+        if file.name == "tokenizer_config.json":
+            config = json.loads(file.read_text())
+            config.pop("chat_template", None)
+            (folder / file.name).write_text(json.dumps(config))
+        elif file.name != "chat_template.jinja":
+            (folder / file.name).symlink_to(file.resolve())
+
+
+def prompts_for(spec: dict, folder: Path) -> list[list[int]]:
+    lengths = spec["prompts"]
+    if "random" in spec:
+        generator = torch.Generator().manual_seed(SEED)
+        return [torch.randint(0, 256, (n,), generator=generator).tolist() for n in lengths]
+    lm = load_model(str(folder), dtype="float32", device="cpu")
+    ids = lm.tokenizer.encode(load_corpus("embedded"), add_special_tokens=False)
+    # prompts from different places of the corpus, none at its start
+    return [ids[1000 * (i + 1) : 1000 * (i + 1) + n] for i, n in enumerate(lengths)]
+
+
+def main(work: Path) -> None:
+    config = yaml.safe_load(CASES.read_text())
+    prompts = {}
+    for spec in config["models"]:
+        folder = work / "models" / spec["name"]
+        if not folder.exists():
+            if "random" in spec:
+                random_model(spec["random"], folder)
+            else:
+                linked_without_chat_template(Path(local_source(spec["embedded"])), folder)
+        prompts[spec["name"]] = prompts_for(spec, folder)
+        print(f"parity: {spec['name']}: prompts of {[len(p) for p in prompts[spec['name']]]} tokens", flush=True)
+    (work / "prompts.json").write_text(json.dumps(prompts))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

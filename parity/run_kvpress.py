@@ -1,0 +1,103 @@
+"""The kvpress side of the parity check, run in an environment with kvpress 0.5.5 and no kvbench:
+
+    python -m parity.run_kvpress WORK     # reads WORK/models, WORK/prompts.json; writes WORK/kvpress.pt
+
+For every model, prompt and case of parity/cases.yaml: the prompt through the model under the case's press, then
+per layer a `[kv_heads, prompt]` mask of the positions the compressed cache holds. A kept key is located among the
+keys of the same prompt without a press (an exact match), so nothing depends on a press's layout; a press that
+masks entries instead of dropping them (AdaKV, KVzip) holds every position it does not mask.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import kvpress
+import torch
+import transformers
+import yaml
+from transformers import AutoModelForCausalLM, DynamicCache
+
+CASES = Path(__file__).with_name("cases.yaml")
+
+
+def build_press(spec: dict):
+    """A press from `{class: Name, param: value, press: {class: ...}}` (a wrapper's inner press nested)."""
+    params = {key: build_press(value) if isinstance(value, dict) else value
+              for key, value in spec.items() if key != "class"}
+    return getattr(kvpress, spec["class"])(**params)
+
+
+def compression_ratio(press, kept: int, prompt: int, slots: int) -> float:
+    """The ratio at which `press` keeps `kept` entries per head of a `prompt`-token prompt: kvpress keeps
+    int(prompt x (1 - ratio)) (ChunkKV: int(chunks x (1 - ratio)) chunks), KVzip prunes int(ratio x slots) of the
+    `slots` = layers x heads x prompt entries; a hair of slack keeps the float product off the integer below."""
+    if isinstance(press, kvpress.KVzipPress):
+        return (prompt - kept) / prompt + 1e-9
+    return 1 - kept / prompt - 1e-9
+
+
+def prompt_keys(model, ids: torch.Tensor) -> list[torch.Tensor]:
+    cache = DynamicCache()
+    model(input_ids=ids, past_key_values=cache)
+    return [layer.keys[0] for layer in cache.layers]
+
+
+def held_positions(model, cache, full_keys: list[torch.Tensor]) -> list[torch.Tensor]:
+    masks = []
+    for index, layer in enumerate(model.model.layers):
+        full = full_keys[index]  # [kv_heads, n, D]
+        masked = getattr(layer.self_attn, "masked_key_indices", None)
+        mask = torch.zeros(full.shape[:2], dtype=torch.bool)
+        if masked is not None:
+            mask[:] = True
+            _, heads, positions = masked
+            mask[heads, positions] = False
+        else:
+            kept = cache.layers[index].keys[0]  # [kv_heads, m, D]
+            for head in range(full.shape[0]):
+                distance = torch.cdist(kept[head], full[head], compute_mode="donot_use_mm_for_euclid_dist")
+                nearest = distance.min(dim=-1)
+                if nearest.values.max() > 0:
+                    raise SystemExit(f"parity: layer {index} head {head}: a kept key is not among the prompt's")
+                mask[head, nearest.indices] = True
+        masks.append(mask)
+    return masks
+
+
+@torch.inference_mode()
+def main(work: Path) -> None:
+    transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("kvpress").setLevel(logging.ERROR)  # KVzip's note on its cost, once per prompt
+    config = yaml.safe_load(CASES.read_text())
+    prompts = json.loads((work / "prompts.json").read_text())
+    results: dict = {}
+    for spec in config["models"]:
+        name = spec["name"]
+        model = AutoModelForCausalLM.from_pretrained(work / "models" / name, dtype=torch.float32,
+                                                     attn_implementation="sdpa").eval()
+        results[name] = {}
+        for prompt in prompts[name]:
+            ids = torch.tensor([prompt])
+            full_keys = prompt_keys(model, ids)
+            n, slots = len(prompt), model.config.num_hidden_layers * model.config.num_key_value_heads * len(prompt)
+            for case in config["cases"]:
+                press = build_press(case["kvpress"])
+                press.compression_ratio = compression_ratio(press, int(config["budget_ratio"] * n), n, slots)
+                for layer in model.model.layers:
+                    layer.self_attn.masked_key_indices = None
+                cache = DynamicCache()
+                with press(model):
+                    model(input_ids=ids, past_key_values=cache)
+                results[name].setdefault(case["name"], []).append(held_positions(model, cache, full_keys))
+            print(f"parity: kvpress {version('kvpress')} on {name}, {n} tokens: {len(config['cases'])} presses",
+                  flush=True)
+    torch.save(results, work / "kvpress.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
