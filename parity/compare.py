@@ -1,6 +1,6 @@
 """The kvbench side of the parity check, and the verdict (kvbench's environment):
 
-    python -m parity.compare WORK [--markdown FILE]   # reads WORK/kvpress.pt (parity/run_kvpress.py)
+    python -m parity.compare WORK [--markdown FILE] [--case NAME ...]   # reads WORK/kvpress.pt (parity.run_kvpress)
 
 Runs every case of parity/cases.yaml through kvbench on the same models and prompts, compares the positions each
 (prompt, layer, KV head) holds with kvpress's, prints one line per case and exits 1 when any case is below its
@@ -78,14 +78,18 @@ def verdicts(rows: list[Agreement], config: dict) -> list[tuple[Agreement, bool]
 
 
 def markdown(judged: list[tuple[Agreement, bool]], config: dict) -> str:
-    cases = {case["name"]: case for case in config["cases"]}
-    lines = ["| policy | kvpress press | model | agreement | mean | worst | entries kvbench / kvpress | passes |",
-             "|---|---|---|---|---:|---:|---:|---|"]
-    for row, passed in judged:
-        case = cases[row.case]
-        lines.append(f"| `{row.case}` | `{case['kvpress']['class']}` | {row.model} | {case['agreement']} | "
-                     f"{row.mean:.4f} | {row.worst:.4f} | {row.kept_kvbench} / {row.kept_kvpress} | "
-                     f"{'yes' if passed else '**no**'} |")
+    """One row per case: its agreement on each model as `mean (worst)`, the tolerance and the reason."""
+    models = [model["name"] for model in config["models"]]
+    cells = {(row.case, row.model): f"{row.mean:.4f} ({row.worst:.4f})" + ("" if passed else " **fails**")
+             for row, passed in judged}
+    lines = [f"| policy | kvpress press | agreement | {' | '.join(models)} | tolerance: mean (worst) | why not 1 |",
+             f"|---|---|---|{'---:|' * len(models)}---|---|"]
+    for case in config["cases"]:
+        press = case["kvpress"]
+        inner = f"({press['press']['class']})" if "press" in press else ""
+        agreements = " | ".join(cells.get((case["name"], model), "-") for model in models)
+        lines.append(f"| `{case['name']}` | `{press['class']}{inner}` | {case['agreement']} | {agreements} | "
+                     f"{case['min_mean']} ({case['min_worst']}) | {case['reason']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -93,9 +97,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("work", type=Path)
     parser.add_argument("--markdown", type=Path, help="also write the table as Markdown")
+    parser.add_argument("--case", action="append", help="only this case (repeatable)")
     args = parser.parse_args()
     transformers.utils.logging.disable_progress_bar()
     config = yaml.safe_load(CASES.read_text())
+    if args.case:
+        config["cases"] = [case for case in config["cases"] if case["name"] in args.case]
     judged = verdicts(compare(args.work, config), config)
     limits = {case["name"]: case for case in config["cases"]}
     for row, passed in judged:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
+import transformers
 import yaml
 
 from kvbench.models import load_model, local_source
@@ -65,6 +66,7 @@ def prompts_for(spec: dict, folder: Path) -> list[list[int]]:
 
 
 def main(work: Path) -> None:
+    transformers.utils.logging.disable_progress_bar()
     config = yaml.safe_load(CASES.read_text())
     prompts = {}
     for spec in config["models"]:

@@ -1,0 +1,45 @@
+"""The kvpress parity check's own parts (the check itself runs in .ci/lane-kvpress, with kvpress installed): every
+case builds in kvbench and says why it may differ, agreement is measured as stated, and a drifted policy fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from kvbench.policies.base import build_spec
+from parity.compare import CASES, Agreement, agreement, kvbench_masks, verdicts
+from tests.conftest import random_ids
+
+CONFIG = yaml.safe_load(CASES.read_text())
+
+
+def test_every_case_builds_and_states_its_tolerance_and_reason():
+    names = [case["name"] for case in CONFIG["cases"]]
+    assert len(names) == len(set(names))
+    assert {"snapkv", "streaming_llm", "knorm", "tova", "pyramidkv", "expected_attention", "keydiff", "lagkv",
+            "chunkkv", "criticalkv", "ada_kv", "kvzip"} <= set(names)
+    for case in CONFIG["cases"]:
+        assert build_spec(case["kvbench"]).name == case["name"]
+        assert case["agreement"] in ("jaccard", "nested") and case["kvpress"]["class"].endswith("Press")
+        assert 0 < case["min_worst"] <= case["min_mean"] <= 1 and case["reason"]
+
+
+def test_agreement_is_jaccard_or_the_overlap_of_the_smaller_set():
+    ours = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    theirs = torch.tensor([[1, 1, 1, 0, 1, 0], [1, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    assert agreement(ours, theirs, "jaccard").tolist() == [3 / 5, 2 / 4]
+    assert agreement(ours, theirs, "nested").tolist() == [3 / 4, 1.0]
+
+
+@pytest.mark.parametrize("broken", [{"kernel": 1}, {"pooling": "max"}, {"window": 8}])
+def test_a_drifted_policy_fails_its_case(sharp_llama, broken):
+    """kvbench's own SnapKV standing in for kvpress's: the same settings agree exactly, a drifted one fails."""
+    prompt, case = random_ids(120, seed=5), next(c for c in CONFIG["cases"] if c["name"] == "snapkv")
+    reference = kvbench_masks(sharp_llama, case["kvbench"], prompt, 60)
+    rows = []
+    for spec in (case["kvbench"], {**case["kvbench"], **broken}):
+        values = torch.cat([agreement(ours, theirs, "jaccard") for ours, theirs in
+                            zip(kvbench_masks(sharp_llama, spec, prompt, 60), reference, strict=True)])
+        rows.append(Agreement("snapkv", "tiny", values.mean().item(), values.min().item(), 0, 0))
+    assert [passed for _, passed in verdicts(rows, CONFIG)] == [True, False]
