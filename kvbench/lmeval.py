@@ -10,6 +10,13 @@ engine session (kvbench/session.py), so what lm-eval scores is the compressed ca
   loglikelihood_rolling  stream the text through the cache `stream_chunk` tokens at a time, compressing after each,
                          as the perplexity task does (the first token is predicted from lm-eval's prefix token).
 
+The first token of a continuation is predicted by the prefill's forward, which attends to the whole context before
+anything is compressed (a `full` prefill): a single-token continuation (a multiple choice among letters) scores
+exactly as the full cache's under any policy and budget. `split_at` makes the question arrive after compression
+(question placement `agnostic`): each context is cut at the last occurrence of a marker, the text before it is
+prefilled and compressed, the marker onward appended (`Session.append`), then the continuation is scored or
+generated. Without it, a run warns once when it meets such continuations.
+
 Importing this module registers the model with lm-eval (`lm_eval.simple_evaluate(model="kvbench", ...)`);
 `kvbench lm-eval ...` is lm-eval's own command line with it registered. Tokenization, chat templates and stop
 sequences are lm-eval's (`HFLM`); requests run one at a time, each in its own session.
@@ -19,8 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import logging
+import re
 from typing import Any
 
 from lm_eval.api.registry import register_model
@@ -38,25 +47,35 @@ class KvbenchLM(HFLM):
     """`model_args`: `pretrained` (any kvbench model spec), `policy` and its parameters (`policy.<name>=value`, or
     the bare name when it is not one of these arguments), `budget`, `prefill`, `prefill_chunk`, `evict_every`,
     `dtype`, `device`, `seed`, `score_chunk`, `stream_chunk` (or, from Python, a loaded model, a built policy and
-    `settings`). `measurements` gathers each request's record."""
+    `settings`), `split_at` (a marker: `Question:`, or `re:<pattern>`; each context is cut at its last occurrence
+    and the question placement is `agnostic`; a context without it is an error) and `question` (`aware`, or
+    `agnostic`, which needs `split_at`; by default `agnostic` exactly when `split_at` is given). `measurements`
+    gathers each request's record."""
 
     def __init__(self, pretrained: str | LoadedModel = "smollm2-135m", policy: str | Policy = "full",
                  budget: int | float | None = None, prefill: str = "full", prefill_chunk: int = 512,
-                 question: str = "aware", evict_every: int = 1, dtype: str = "auto", device: str | None = "auto",
-                 seed: int = 0, score_chunk: int = 1, stream_chunk: int = 64, batch_size: int | str = 1,
-                 max_batch_size: int | None = None, max_length: int | None = None,
-                 settings: RunSettings | None = None, **params: Any) -> None:
-        if question != "aware":
-            raise KvbenchError("lm-eval requests carry no context/question split: the request's context is "
-                               "compressed and its continuation or answer comes after it (use question=aware)")
+                 question: str | None = None, split_at: str | None = None, evict_every: int = 1,
+                 dtype: str = "auto", device: str | None = "auto", seed: int = 0, score_chunk: int = 1,
+                 stream_chunk: int = 64, batch_size: int | str = 1, max_batch_size: int | None = None,
+                 max_length: int | None = None, settings: RunSettings | None = None, **params: Any) -> None:
+        self.split_at = None if split_at is None else str(split_at)  # lm-eval's arguments parser makes `1` an int
+        self.marker = marker_pattern(self.split_at)
+        settings = settings or RunSettings(budget=budget, prefill=prefill, prefill_chunk=prefill_chunk,
+                                           question=question or ("agnostic" if split_at is not None else "aware"),
+                                           evict_every=evict_every)
+        if settings.question == "agnostic" and self.marker is None:
+            raise KvbenchError("question=agnostic needs split_at=MARKER: lm-eval requests carry no context/question "
+                               "split, the marker's last occurrence in each context makes one")
+        if settings.question == "aware" and self.marker is not None:
+            raise KvbenchError(f"split_at={self.split_at} appends the question after compression (question=agnostic); "
+                               "question=aware compresses each context whole")
         if score_chunk < 1 or stream_chunk < 1:
             raise KvbenchError(f"score_chunk and stream_chunk must be at least 1, got {score_chunk}, {stream_chunk}")
         self.kv_lm = pretrained if isinstance(pretrained, LoadedModel) else load_model(
             str(pretrained), dtype=dtype, device=device or "auto", seed=seed)
         self.kv_policy = policy if isinstance(policy, Policy) else build_policy(
             policy, {key.removeprefix("policy."): value for key, value in params.items()})
-        self.settings = settings or RunSettings(budget=budget, prefill=prefill, prefill_chunk=prefill_chunk,
-                                                evict_every=evict_every)
+        self.settings = settings
         self.score_chunk, self.stream_chunk = score_chunk, stream_chunk
         self.measurements: list[dict[str, Any]] = []  # one per request, in the order requests ran
         super().__init__(pretrained=self.kv_lm.model, tokenizer=self.kv_lm.tokenizer, backend="causal", batch_size=1,
@@ -71,8 +90,36 @@ class KvbenchLM(HFLM):
         self.measurements.append({"request_type": kind, "task": getattr(request, "task_name", None),
                                   "doc_id": getattr(request, "doc_id", None), **outputs, **session.measurements()})
 
+    def _marker_start(self, text: str, where: str) -> int:
+        """Where the marker's last occurrence in `text` begins; it must have text before it."""
+        found = [match.start() for match in self.marker.finditer(text)]
+        if not found or found[-1] == 0:
+            raise KvbenchError(f"split_at={self.split_at}: the context of {where} has "
+                               f"{'nothing before' if found else 'no'} such marker (it is cut at its last occurrence)")
+        return found[-1]
+
+    def _split(self, text: str, ids: list[int], where: str) -> tuple[list[int], list[int]]:
+        """`ids`, lm-eval's tokens of `text`, cut where the marker's last occurrence begins: (compressed,
+        appended). They stay the whole text's tokens (one straddling the marker's first character is appended),
+        so the split alone changes no score."""
+        start = self._marker_start(text, where)
+        try:
+            encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        except NotImplementedError:
+            raise KvbenchError("split_at needs a tokenizer that maps tokens to characters (a fast one)") from None
+        special = len(ids) - len(encoded["input_ids"])  # a BOS token lm-eval put in front
+        if special < 0 or ids[special:] != encoded["input_ids"]:
+            raise KvbenchError(f"split_at: the tokenizer's tokens of {where} differ from lm-eval's")
+        cut = special + sum(end <= start for _, end in encoded["offset_mapping"])
+        if cut == 0:
+            raise KvbenchError(f"split_at={self.split_at}: in {where}, no token precedes the marker")
+        return ids[:cut], ids[cut:]
+
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         start = len(self.measurements)
+        if self.marker is not None:  # tokenized, a request no longer names its doc: a missing marker is found here
+            for request in requests:
+                self._marker_start(request.args[0].rstrip(), doc_name(request))
         out = super().loglikelihood(requests, disable_tqdm=True)  # tokenizes, then `_loglikelihood_tokens`
         for request, record in zip(requests, self.measurements[start:], strict=True):
             record.update(task=request.task_name, doc_id=request.doc_id)
@@ -80,17 +127,30 @@ class KvbenchLM(HFLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None) -> list[tuple[float, bool]]:
         out, parent, compressed = [], None, None
-        for _, context, continuation in requests:
+        for (text, _), context, continuation in requests:
             if context != compressed:  # a doc's choices share its context: compressed once, each scored on a fork
-                parent, compressed = self._session(len(context), arrival=self.score_chunk), context
+                # lm-eval moved the context's trailing spaces into the continuation before tokenizing it
+                head, question = self._split(text.rstrip(), context, "a doc") if self.marker else (context, [])
+                parent, compressed = self._session(len(context), arrival=max(self.score_chunk, len(question))), context
                 with parent:
-                    parent.prefill(context)
+                    parent.prefill(head)
+                    if question:
+                        parent.append(question)
+            if len(continuation) == 1 and not question and self._uncompressed_when_predicting(context):
+                warn_first_token_uncompressed()
             with parent.fork() as session:
                 scored = session.score(continuation, chunk=self.score_chunk)
             logprob, greedy = float(scored.logprobs.sum()), bool(scored.greedy.all())
             out.append((logprob, greedy))
-            self._record(None, "loglikelihood", session, logprob=logprob, is_greedy=greedy)
+            self._record(None, "loglikelihood", session, logprob=logprob, is_greedy=greedy,
+                         **({"question_tokens": len(question)} if self.marker else {}))
         return out
+
+    def _uncompressed_when_predicting(self, context: list[int]) -> bool:
+        """Whether the forward that predicts the first continuation token ran before anything was compressed:
+        a `full` prefill, or a chunked one in one chunk, under a policy that changes the cache at all."""
+        one_forward = self.settings.prefill == "full" or len(context) <= self.settings.prefill_chunk
+        return one_forward and self.kv_policy.kind != "none"
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         out = []
@@ -112,16 +172,44 @@ class KvbenchLM(HFLM):
             until = tuple(handle_stop_sequences(kwargs.pop("until", None), eos=eos_text))
             max_gen_toks = kwargs.pop("max_gen_toks")
             ids = self.tok_encode(context)
-            session = self._session(len(ids), arrival=1, growth=max_gen_toks)
+            head, question = self._split(context, ids, doc_name(request)) if self.marker else (ids, [])
+            session = self._session(len(ids), arrival=max(1, len(question)), growth=max_gen_toks + len(question))
             with session:
-                session.prefill(ids)
+                session.prefill(head)
+                if question:
+                    session.append(question)
                 tokens = session.decode(max_gen_toks, self.kv_lm.eos_token_ids, stop=until)[0]
             text = self.tok_decode([t for t in tokens if t not in self.kv_lm.eos_token_ids])
             for stop in until:  # greedy: sampling arguments (temperature, ...) are not used
                 text = text.split(stop, 1)[0]
             out.append(text)
-            self._record(request, "generate_until", session, generated=text)
+            self._record(request, "generate_until", session, generated=text,
+                         **({"question_tokens": len(question)} if self.marker else {}))
         return out
+
+
+def marker_pattern(split_at: str | None) -> re.Pattern | None:
+    """`split_at` as a pattern: `re:<regular expression>`, else the literal text."""
+    if split_at is None:
+        return None
+    if not split_at.startswith("re:"):
+        return re.compile(re.escape(split_at))
+    try:
+        return re.compile(split_at.removeprefix("re:"))
+    except re.error as exc:
+        raise KvbenchError(f"split_at={split_at}: not a regular expression ({exc})") from None
+
+
+def doc_name(request: Any) -> str:
+    return f"task '{request.task_name}' doc {request.doc_id}"
+
+
+@functools.cache  # once per process: a sweep runs a model per doc
+def warn_first_token_uncompressed() -> None:
+    logging.getLogger(__name__).warning(
+        "warning: a single-token continuation is predicted by the forward over the whole context, before the policy "
+        "compresses it, so it scores exactly as under the full cache at any budget; compress the context before its "
+        "question with split_at=MARKER (a sweep: question: agnostic and the task's split_at; docs/lm-eval.md)")
 
 
 def lm_eval_tasks(names: tuple[str, ...], include_path: str | None, metadata: dict[str, Any]) -> tuple[Any, dict]:
@@ -143,9 +231,10 @@ def lm_eval_tasks(names: tuple[str, ...], include_path: str | None, metadata: di
 
 def evaluate_doc(lm: LoadedModel, policy: Policy, settings: RunSettings, manager: Any, task: Any, name: str,
                  doc: int, num_fewshot: int | None, apply_chat_template: bool, score_chunk: int,
-                 stream_chunk: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """One doc of an lm-eval task through the `kvbench` model: lm-eval's logged sample (its metrics included)
-    and the measurements of each of its requests."""
+                 stream_chunk: int, split_at: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One doc of an lm-eval task through the `kvbench` model (its contexts cut at `split_at` under `settings`'
+    question placement `agnostic`): lm-eval's logged sample (its metrics included) and the measurements of each of
+    its requests."""
     import lm_eval
 
     # a sweep has its own progress display: lm-eval's per-call bars (stderr) and notices (its logger) stay quiet
@@ -155,7 +244,7 @@ def evaluate_doc(lm: LoadedModel, policy: Policy, settings: RunSettings, manager
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             model = KvbenchLM(pretrained=lm, policy=policy, settings=settings, score_chunk=score_chunk,
-                              stream_chunk=stream_chunk)
+                              stream_chunk=stream_chunk, split_at=split_at)
             results = lm_eval.simple_evaluate(model=model, tasks=[task], samples={name: [doc]},
                                               num_fewshot=num_fewshot, bootstrap_iters=0, log_samples=True,
                                               apply_chat_template=apply_chat_template, task_manager=manager)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 from kvbench.errors import KvbenchError
@@ -32,12 +33,17 @@ class LmEval(Task):
     apply_chat_template: bool = False
     score_chunk: int = 1  # continuation tokens scored per forward (1: each evicted for as if generated)
     stream_chunk: int = 64  # loglikelihood_rolling: tokens streamed per forward
+    # `question: agnostic` cells cut each context at the last occurrence of this marker (`re:<pattern>`: a regular
+    # expression), compress the text before it and append the rest; `aware` cells compress each context whole
+    split_at: str | None = None
 
     def __post_init__(self) -> None:
         if not self.tasks:
             raise KvbenchError("task 'lm_eval' needs `tasks`: a list of lm-eval task names")
         if self.limit is not None and self.limit < 1:
             raise KvbenchError(f"task 'lm_eval' parameter 'limit' must be at least 1, got {self.limit}")
+        if self.split_at is not None:
+            bridge().marker_pattern(self.split_at)  # a bad regular expression fails the config, not every cell
 
     def _loaded(self, tokenizer, context_length: int) -> tuple[Any, dict[str, Any]]:
         return _tasks(tuple(self.tasks), self.include_path, context_length, getattr(tokenizer, "name_or_path", None))
@@ -62,21 +68,24 @@ class LmEval(Task):
                                f"one context length (the longest prompt a cell may feed), got {context_lengths}")
 
     def run(self, lm, policy, sample, settings, shared=None):
-        from kvbench.lmeval import evaluate_doc
         from kvbench.session import Generation
 
+        if settings.question == "agnostic" and self.split_at is None:
+            raise KvbenchError("task 'lm_eval' with question: agnostic needs `split_at`: lm-eval requests carry no "
+                               "context/question split, the marker's last occurrence in each context makes one")
         name, length = sample.meta["lm_eval_task"], sample.meta["context_length"]
         manager, tasks = self._loaded(lm.tokenizer, length)
         task = tasks[name]
-        logged, requests = evaluate_doc(lm, policy, settings, manager, task, name, sample.meta["doc_id"],
+        logged, requests = bridge().evaluate_doc(lm, policy, settings, manager, task, name, sample.meta["doc_id"],
                                         self.num_fewshot, self.apply_chat_template, self.score_chunk,
-                                        self.stream_chunk)
+                                        self.stream_chunk, self.split_at if settings.question == "agnostic" else None)
         longest = max(requests, key=lambda r: r["prompt_tokens"])
         if not has_length_knob(task) and longest["prompt_tokens"] > length:
             raise KvbenchError(f"task 'lm_eval': a '{name}' prompt has {longest['prompt_tokens']} tokens, more than "
                                f"the context length {length}")
         measured = {key: value for key, value in longest.items()
-                    if key not in ("request_type", "task", "doc_id", "logprob", "is_greedy", "generated", "tokens")}
+                    if key not in ("request_type", "task", "doc_id", "logprob", "is_greedy", "generated", "tokens",
+                                   "question_tokens")}
         metrics = {key: logged[key] for key in logged["metrics"]}
         headline = self.metric or (str(length) if str(length) in metrics else task.config.metric_list[0]["metric"])
         if headline not in metrics:
@@ -103,11 +112,16 @@ def has_length_knob(task: Any) -> bool:
     return task.config.custom_dataset is not None
 
 
-@functools.lru_cache(maxsize=8)
-def _tasks(names: tuple[str, ...], include_path: str | None, context_length: int, tokenizer: str | None):
+def bridge() -> ModuleType:
+    """kvbench/lmeval.py, which imports lm-evaluation-harness."""
     try:
-        from kvbench.lmeval import lm_eval_tasks
+        import kvbench.lmeval
     except ImportError:
         raise KvbenchError("task 'lm_eval' needs lm-evaluation-harness: pip install 'kvbench[lmeval]'") from None
+    return kvbench.lmeval
+
+
+@functools.lru_cache(maxsize=8)
+def _tasks(names: tuple[str, ...], include_path: str | None, context_length: int, tokenizer: str | None):
     metadata = {"max_seq_lengths": [context_length], **({"tokenizer": tokenizer} if tokenizer else {})}
-    return lm_eval_tasks(names, include_path, metadata)
+    return bridge().lm_eval_tasks(names, include_path, metadata)

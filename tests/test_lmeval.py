@@ -11,7 +11,7 @@ lm_eval = pytest.importorskip("lm_eval")
 
 from kvbench.lmeval import KvbenchLM  # noqa: E402
 from kvbench.policies import build_policy  # noqa: E402
-from tests.conftest import random_ids  # noqa: E402
+from tests.conftest import needs_embedded, random_ids  # noqa: E402
 
 QA = [{"question": "The capital of France is", "answer": "Paris"},
       {"question": "Two plus two is", "answer": "four"},
@@ -204,3 +204,131 @@ def test_the_context_length_is_the_length_knob_of_a_task_that_generates_its_data
         assert record["lm_eval"]["metric"] == str(length) and str(length) in record["lm_eval"]["metrics"]
         prompts[length] = record["prompt_tokens"]
     assert prompts[128] > prompts[64]  # each length's docs were made for it
+
+
+def letter_context(seed: int = 1) -> str:
+    """A passage, then a question whose answer is one token (`A`, `B`: bytes, to the tiny models' tokenizer)."""
+    passage = " ".join(map(str, random_ids(40, seed=seed, vocab=1000)))
+    return f"{passage}\nQuestion: which letter?\nA. one\nB. two\nAnswer:"
+
+
+def letter_task(folder) -> str:
+    """A local multiple choice whose choices are single tokens after a `Question:` marker."""
+    rows = [{"context": letter_context(seed), "label": seed % 2} for seed in (1, 2)]
+    (folder / "letters.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (folder / "letters.yaml").write_text(
+        f"task: letters\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {folder / 'letters.jsonl'}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: \"{{context}}\"\ndoc_to_choice: [A, B]\n"
+        "target_delimiter: ''\ndoc_to_target: label\nmetric_list:\n  - metric: acc\nmetadata:\n  version: 1.0\n")
+    return str(folder)
+
+
+def loglikelihoods(lm, requests, policy: str = "full", budget=None, **model_args) -> list[float]:
+    model = KvbenchLM(pretrained=lm, policy=build_policy(policy), budget=budget, **model_args)
+    return [logprob for logprob, _ in model.loglikelihood(requests)]
+
+
+@pytest.mark.parametrize("policy", ["window", "snapkv"])
+def test_split_at_lets_the_policy_reach_a_single_token_answer(sharp_llama, policy):
+    """The first-token trap: a one-token answer is predicted by the prefill's forward over the whole context, so it
+    scores as the full cache's at any budget, unless the question arrives after compression."""
+    requests = [Request(letter_context(), "A"), Request(letter_context(), "B")]
+    full = loglikelihoods(sharp_llama, requests)
+    aware = loglikelihoods(sharp_llama, requests, policy, 40)
+    split = loglikelihoods(sharp_llama, requests, policy, 40, split_at="Question:")
+    assert aware == pytest.approx(full, abs=1e-6)
+    assert all(abs(a - b) > 1e-3 for a, b in zip(split, full, strict=True))
+
+
+def test_a_single_token_answer_without_a_split_warns_once(sharp_llama, caplog):
+    from kvbench.lmeval import warn_first_token_uncompressed
+
+    letters, words = [Request(letter_context(), "A")], [Request(letter_context(), " one")]
+
+    def warnings(*runs) -> list[str]:
+        warn_first_token_uncompressed.cache_clear()
+        caplog.clear()
+        for policy, requests, args in runs:
+            loglikelihoods(sharp_llama, requests, policy, 40 if policy != "full" else None, **args)
+        return [r.getMessage() for r in caplog.records if r.name == "kvbench.lmeval"]
+
+    once = warnings(("window", letters, {}), ("snapkv", letters * 2, {}))
+    assert len(once) == 1 and "split_at" in once[0] and "\n" not in once[0]
+    assert warnings(("window", letters, {"split_at": "Question:"})) == []
+    assert warnings(("full", letters, {}), ("window", words, {})) == []
+    # a chunked prefill compresses before its last chunk's forward: that forward reads the compressed cache
+    assert warnings(("window", letters, {"prefill": "chunked", "prefill_chunk": 64})) == []
+
+
+def test_a_split_under_a_roomy_budget_scores_as_the_full_cache(sharp_llama):
+    """The split itself changes nothing: the same tokens, the question appended after a compression that kept all."""
+    context = letter_context()
+    requests = [Request(context, "A"), Request(context, "B"), Request(context, " two")]
+    full = loglikelihoods(sharp_llama, requests)
+    model = KvbenchLM(pretrained=sharp_llama, policy=build_policy("snapkv"), budget=1000, split_at="Question:")
+    assert [logprob for logprob, _ in model.loglikelihood(requests)] == pytest.approx(full, abs=1e-5)
+    assert model.measurements[0]["question_tokens"] == len("Question: which letter?\nA. one\nB. two\nAnswer:")
+    generate = Request(context, {"until": ["\n"], "max_gen_toks": 5})
+    split = KvbenchLM(pretrained=sharp_llama, policy=build_policy("window"), budget=1000, split_at="re:\\nQ")
+    assert split.generate_until([generate]) == KvbenchLM(pretrained=sharp_llama).generate_until([generate])
+    assert split.measurements[0]["question_tokens"] == len("\nQuestion: which letter?\nA. one\nB. two\nAnswer:")
+
+
+@needs_embedded
+def test_the_split_keeps_the_whole_contexts_tokens(smollm):
+    """A real BPE tokenizer merges the space before `Question` into one token: that token is appended whole."""
+    text = "The pass key is 31415. Remember it. Question: what is the pass key?\nAnswer:"
+    model = KvbenchLM(pretrained=smollm, split_at="Question:")
+    ids = model.tok_encode(text)
+    head, question = model._split(text, ids, "a test")
+    assert head + question == ids and smollm.tokenizer.decode(question[:1]) == " Question"
+    requests = [Request(text, " 3"), Request(text, " 4")]
+    assert [logprob for logprob, _ in model.loglikelihood(requests)] == \
+        pytest.approx(loglikelihoods(smollm, requests), abs=1e-5)
+
+
+def test_a_context_without_the_marker_is_a_one_line_error(tiny_llama):
+    from kvbench.errors import KvbenchError
+
+    model = KvbenchLM(pretrained=tiny_llama, split_at="Question:")
+    with pytest.raises(KvbenchError, match=r"split_at=Question:: the context of task 'test' doc 0 has no such"):
+        model.loglikelihood([Request("no marker here", " a")])
+    with pytest.raises(KvbenchError, match="doc 0 has no such marker"):
+        model.generate_until([Request("no marker here", {"until": ["\n"], "max_gen_toks": 2})])
+    with pytest.raises(KvbenchError, match="has nothing before such marker"):
+        model.loglikelihood([Request("Question: first", " a")])
+    with pytest.raises(KvbenchError, match="not a regular expression"):
+        KvbenchLM(pretrained=tiny_llama, split_at="re:(")
+    with pytest.raises(KvbenchError, match="question=agnostic needs split_at"):
+        KvbenchLM(pretrained=tiny_llama, question="agnostic")
+    with pytest.raises(KvbenchError, match="question=aware compresses each context whole"):
+        KvbenchLM(pretrained=tiny_llama, question="aware", split_at="Question:")
+    few_shot = "Question: a?\nAnswer: b\n\nQuestion: c?\nAnswer:"  # the last occurrence: the examples are compressed
+    assert model._split(few_shot, model.tok_encode(few_shot), "a test")[1] == model.tok_encode("Question: c?\nAnswer:")
+
+
+def test_the_sweep_splits_its_agnostic_cells_at_split_at(tmp_path):
+    from kvbench.errors import KvbenchError
+    from kvbench.models import load_model
+    from kvbench.session import RunSettings
+    from kvbench.tasks import build_task
+    from tests.test_sweep import sweep, write_config
+
+    task = {"name": "lm_eval", "tasks": ["letters"], "include_path": letter_task(tmp_path), "split_at": "Question:"}
+    config = write_config(tmp_path, {
+        "name": "split", "model": {"id": "random:tiny-llama", "dtype": "float32", "device": "cpu"},
+        "policies": ["full", "snapkv"], "budgets": [40], "context_lengths": [512], "samples": 2,
+        "question": ["aware", "agnostic"], "tasks": [task]})
+    sweep(config, tmp_path / "run")
+    records = [json.loads(line) for line in (tmp_path / "run" / "records.jsonl").read_text().splitlines()]
+    responses = {(r["policy"]["name"], r["question"], r["sample_id"]): r["lm_eval"]["responses"] for r in records}
+    assert len(responses) == 8
+    for doc in ("letters-0", "letters-1"):
+        assert responses["snapkv", "aware", doc] == pytest.approx(responses["full", "aware", doc], abs=1e-6)
+        assert responses["full", "agnostic", doc] == pytest.approx(responses["full", "aware", doc], abs=1e-5)
+        assert responses["snapkv", "agnostic", doc] != pytest.approx(responses["snapkv", "aware", doc], abs=1e-4)
+    unsplit = build_task("lm_eval", {"tasks": ["letters"], "include_path": task["include_path"]})
+    lm = load_model("random:tiny-llama", dtype="float32", device="cpu")
+    with pytest.raises(KvbenchError, match="question: agnostic needs `split_at`"):
+        unsplit.run(lm, build_policy("full"), unsplit.samples(lm.tokenizer, 512, 1, 0)[0],
+                    RunSettings(question="agnostic"))

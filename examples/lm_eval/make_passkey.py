@@ -1,5 +1,6 @@
-"""Writes passkey.jsonl: the local lm-eval tasks `passkey` (generate the key) and `passkey_choice` (pick it among
-four) read it. Each doc hides a five-digit pass key at a depth of ~450 words of kvbench's embedded corpus.
+"""Writes passkey.jsonl: the local lm-eval tasks `passkey` (generate the key), `passkey_choice` (pick it among
+four), `passkey_letter` (the same, by letter) and `passkey_digit` (its second digit among ten, one token each)
+read it. Each doc hides a five-digit pass key at a depth of ~450 words of kvbench's embedded corpus.
 
     python examples/lm_eval/make_passkey.py
 """
