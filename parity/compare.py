@@ -22,6 +22,7 @@ import yaml
 from kvbench.models import load_model
 from kvbench.policies.base import build_spec
 from kvbench.session import RunSettings, Session
+from parity import kept_per_head
 from tests.helpers import kept_masks
 
 CASES = Path(__file__).with_name("cases.yaml")
@@ -61,7 +62,7 @@ def compare(work: Path, config: dict) -> list[Agreement]:
         for case in config["cases"]:
             scores, ours_kept, theirs_kept = [], 0, 0
             for prompt, their_masks in zip(prompts[name], theirs[name][case["name"]], strict=True):
-                our_masks = kvbench_masks(lm, case["kvbench"], prompt, int(config["budget_ratio"] * len(prompt)))
+                our_masks = kvbench_masks(lm, case["kvbench"], prompt, kept_per_head(config, len(prompt)))
                 for ours, other in zip(our_masks, their_masks, strict=True):
                     scores.append(agreement(ours, other, case["agreement"]))
                     ours_kept, theirs_kept = ours_kept + int(ours.sum()), theirs_kept + int(other.sum())
@@ -112,9 +113,10 @@ def main() -> None:
               f"entries {row.kept_kvbench} / {row.kept_kvpress}")
     if args.markdown:
         args.markdown.write_text(markdown(judged, config))
-    failed = sorted({row.case for row, passed in judged if not passed})
-    print(f"parity: {len(judged) - sum(not p for _, p in judged)} passed, {sum(not p for _, p in judged)} failed"
-          + (f" ({', '.join(failed)})" if failed else ""))
+    failed = [row for row, passed in judged if not passed]
+    names = sorted({row.case for row in failed})
+    print(f"parity: {len(judged) - len(failed)} passed, {len(failed)} failed"
+          + (f" ({', '.join(names)})" if names else ""))
     sys.exit(1 if failed else 0)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import transformers
 import yaml
+from transformers import AutoTokenizer
 
 from kvbench.models import load_model, local_source
 from kvbench.tasks.corpus import load_corpus
@@ -59,8 +60,7 @@ def prompts_for(spec: dict, folder: Path) -> list[list[int]]:
     if "random" in spec:
         generator = torch.Generator().manual_seed(SEED)
         return [torch.randint(0, 256, (n,), generator=generator).tolist() for n in lengths]
-    lm = load_model(str(folder), dtype="float32", device="cpu")
-    ids = lm.tokenizer.encode(load_corpus("embedded"), add_special_tokens=False)
+    ids = AutoTokenizer.from_pretrained(folder).encode(load_corpus("embedded"), add_special_tokens=False)
     # prompts from different places of the corpus, none at its start
     return [ids[1000 * (i + 1) : 1000 * (i + 1) + n] for i, n in enumerate(lengths)]
 

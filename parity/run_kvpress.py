@@ -22,6 +22,8 @@ import transformers
 import yaml
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from parity import kept_per_head
+
 CASES = Path(__file__).with_name("cases.yaml")
 
 
@@ -62,9 +64,9 @@ def held_positions(model, cache, full_keys: list[torch.Tensor]) -> list[torch.Te
             for head in range(full.shape[0]):
                 distance = torch.cdist(kept[head], full[head], compute_mode="donot_use_mm_for_euclid_dist")
                 nearest = distance.min(dim=-1)
-                if nearest.values.max() > 0:
-                    raise SystemExit(f"parity: layer {index} head {head}: a kept key is not among the prompt's")
                 mask[head, nearest.indices] = True
+                if nearest.values.max() > 0 or int(mask[head].sum()) != kept.shape[1]:
+                    raise SystemExit(f"parity: layer {index} head {head}: a kept key is not one of the prompt's")
         masks.append(mask)
     return masks
 
@@ -87,7 +89,7 @@ def main(work: Path) -> None:
             n, slots = len(prompt), model.config.num_hidden_layers * model.config.num_key_value_heads * len(prompt)
             for case in config["cases"]:
                 press = build_press(case["kvpress"])
-                press.compression_ratio = compression_ratio(press, int(config["budget_ratio"] * n), n, slots)
+                press.compression_ratio = compression_ratio(press, kept_per_head(config, n), n, slots)
                 for layer in model.model.layers:
                     layer.self_attn.masked_key_indices = None
                 cache = DynamicCache()
