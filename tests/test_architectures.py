@@ -13,10 +13,10 @@ from kvbench import models
 from kvbench.errors import KvbenchError
 from kvbench.models import load_model
 from kvbench.policies import build_policy
+from kvbench.reference import h2o_reference, snapkv_reference
 from kvbench.session import RunSettings, Session, generate
 from tests.conftest import random_ids
 from tests.helpers import run_cache
-from tests.reference import h2o_reference, snapkv_reference
 
 FAMILIES = ["tiny-mistral", "tiny-mistral-sliding", "tiny-qwen3", "tiny-phi3", "tiny-gemma2", "tiny-gemma3",
             "tiny-mixtral"]

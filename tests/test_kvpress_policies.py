@@ -12,10 +12,10 @@ from transformers import DynamicCache
 
 from kvbench.errors import KvbenchError
 from kvbench.policies import build_policy
+from kvbench.reference import simulate, snapkv_reference, stock_forward
 from kvbench.session import RunSettings, Session
 from tests.conftest import random_ids
 from tests.helpers import run_cache, run_session
-from tests.reference import simulate, snapkv_reference, stock_forward
 
 PROMPT, DECODE, BUDGET = random_ids(96, seed=11), random_ids(10, seed=12), 40
 

@@ -14,9 +14,9 @@ import kvbench.policies.keydiff
 import kvbench.policies.lagkv  # noqa: F401  (registers the three)
 from kvbench.errors import KvbenchError
 from kvbench.policies import build_policy
+from kvbench.reference import key_norms, simulate, snapkv_reference, stock_forward
 from tests.conftest import random_ids
 from tests.helpers import run_cache
-from tests.reference import key_norms, simulate, snapkv_reference, stock_forward
 
 PROMPT, DECODE, BUDGET = random_ids(96, seed=11), random_ids(10, seed=12), 40
 

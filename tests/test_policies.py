@@ -8,15 +8,15 @@ import torch
 
 from kvbench.errors import KvbenchError
 from kvbench.policies import build_policy
-from tests.conftest import random_ids
-from tests.helpers import run_cache
-from tests.reference import (
+from kvbench.reference import (
     h2o_reference,
     key_norms,
     scissorhands_reference,
     snapkv_reference,
     tova_reference,
 )
+from tests.conftest import random_ids
+from tests.helpers import run_cache
 
 PROMPT, DECODE, BUDGET = random_ids(96, seed=11), random_ids(10, seed=12), 40
 

@@ -7,9 +7,9 @@ import torch
 from transformers import DynamicCache
 
 from kvbench.policies import build_policy
+from kvbench.reference import reference_attention, stock_forward
 from tests.conftest import random_ids, sharpen
 from tests.helpers import run_session
-from tests.reference import reference_attention, stock_forward
 
 
 @pytest.mark.parametrize("name,params", [("window", {}), ("streaming_llm", {"sinks": 4}), ("h2o", {}),

@@ -1,55 +1,97 @@
-"""Independent reference computations for the tests: eager attention over a stock DynamicCache,
-with evictions emulated by masking, and each policy's rule written from its paper over positions."""
+"""Reference computations written from each policy's definition, independent of kvbench's engine: a stock
+DynamicCache (slot index == position) that holds everything, attention masked to what a policy keeps, and each
+policy's rule applied over positions. The test suite checks the policies against these on tiny models, and
+`kvbench check` on the user's own model, dtype and device (kvbench/check.py), so they are bounded in memory:
+the attention weights are written out in float32, chunk by chunk over the queries, keeping each layer's column
+sums and the rows of the last queries only."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
-from transformers.integrations.sdpa_attention import repeat_kv
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "kvbench_reference"
+# float32 logits of one chunk of queries (256 MiB): a 32k-token prompt never holds its n x n weights
+CHUNK_ELEMENTS = 1 << 26
 
 
-class MaskedEagerAttention:
-    """Eager attention over all slots of a stock cache (slot index == position), where each layer's
-    KV head may only see `allowed[layer]` `[kv_heads, n_old]` of the old slots; records the weights and each
-    layer's sliding window. The model's own attention says how a layer attends: a `sliding_window` W lets a query
-    see the W positions up to its own, a `softcap` caps the logits (cap * tanh(logits / cap))."""
+class ReferenceAttention:
+    """Attention over all slots of a stock cache, where each layer's KV head may only see `allowed[layer]`
+    `[kv_heads, n_old]` of the old slots. Per layer it records `weights` `[1, H, t, n]`, the attention of the last
+    `tail` queries (all of them when `tail` is None), `received` `[1, H, n]`, the attention each slot received
+    summed over every query, and the layer's sliding window. The model's own attention says how a layer attends:
+    a `sliding_window` W lets a query see the W positions up to its own, a `softcap` caps the logits
+    (cap * tanh(logits / cap)). The layer's output is SDPA's over the mask transformers built (the forward kvbench
+    runs, so both see the same hidden states) unless slots are masked or logits capped: then it is the weights
+    applied to the values."""
 
-    def __init__(self) -> None:
+    def __init__(self, tail: int | None = None) -> None:
+        self.tail = tail
         self.allowed: dict[int, torch.Tensor] = {}
         self.weights: dict[int, torch.Tensor] = {}
+        self.received: dict[int, torch.Tensor] = {}
         self.windows: dict[int, int | None] = {}
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None,
                  **kwargs):
-        group = module.num_key_value_groups
-        q_len, n = query.shape[2], key.shape[2]
-        logits = query @ repeat_kv(key, group).transpose(-1, -2) * scaling
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
-        query_positions = (torch.arange(q_len) + n - q_len)[:, None]
-        visible = torch.arange(n)[None, :] <= query_positions
-        if sliding_window is not None:
-            visible &= torch.arange(n)[None, :] > query_positions - sliding_window
-        self.windows[module.layer_idx] = sliding_window
-        visible = visible[None, None].expand(1, query.shape[1], q_len, n).clone()
-        if module.layer_idx in self.allowed:
-            old = self.allowed[module.layer_idx]
-            visible[..., : old.shape[-1]] &= old.repeat_interleave(group, dim=0)[None, :, None, :]
-        weights = logits.masked_fill(~visible, float("-inf")).softmax(-1)
-        self.weights[module.layer_idx] = weights
-        output = weights @ repeat_kv(value, group)
-        return output.transpose(1, 2).contiguous(), weights
+        if query.shape[0] != 1:
+            raise ValueError("the reference attention runs one sequence at a time")
+        layer, group = module.layer_idx, module.num_key_value_groups
+        heads, q_len, n = query.shape[1], query.shape[2], key.shape[2]
+        self.windows[layer] = sliding_window
+        masked = layer in self.allowed
+        keys_t = repeat_kv(key, group)[0].float().transpose(-1, -2)  # [H, D, n]
+        tail = q_len if self.tail is None else min(q_len, self.tail)
+        received = torch.zeros(heads, n, dtype=torch.float32, device=key.device)
+        rows, outputs = [], []
+        chunk = max(1, CHUNK_ELEMENTS // (heads * n))
+        for start in range(0, q_len, chunk):
+            stop = min(q_len, start + chunk)
+            logits = query[0, :, start:stop].float() @ keys_t * scaling  # [H, c, n]
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
+            weights = logits.masked_fill(~self._visible(layer, start, stop, q_len, n, sliding_window, group,
+                                                                key.device),
+                                         float("-inf")).softmax(-1)
+            received += weights.sum(dim=1)
+            if stop > q_len - tail:
+                rows.append(weights[:, max(0, q_len - tail - start) :])
+            if masked or softcap is not None:
+                outputs.append(weights.to(value.dtype) @ repeat_kv(value, group)[0])
+        # the rules run on the CPU: a long prompt's weights leave the device as their last rows and column sums
+        self.weights[layer], self.received[layer] = torch.cat(rows, dim=1)[None].cpu(), received[None].cpu()
+        if outputs:
+            return torch.cat(outputs, dim=1)[None].transpose(1, 2).contiguous(), None
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      sliding_window=sliding_window, **kwargs)
+
+    def _visible(self, layer: int, start: int, stop: int, q_len: int, n: int, window: int | None, group: int,
+                 device: torch.device) -> torch.Tensor:
+        """`[H or 1, c, n]`: which slots queries `start:stop` of the `q_len` new ones (the last slots) see."""
+        slots = torch.arange(n, device=device)[None, :]
+        query_positions = (torch.arange(start, stop, device=device) + n - q_len)[:, None]
+        visible = slots <= query_positions
+        if window is not None:
+            visible &= slots > query_positions - window
+        visible = visible[None]
+        if layer in self.allowed:
+            old = self.allowed[layer].to(device).repeat_interleave(group, dim=0)  # [H, n_old]
+            visible = visible.expand(old.shape[0], -1, -1).clone()
+            visible[..., : old.shape[-1]] &= old[:, None, :]
+        return visible
 
 
 @contextlib.contextmanager
-def reference_attention(lm):
-    attention = MaskedEagerAttention()
+def reference_attention(lm, attention: ReferenceAttention | None = None) -> Iterator[ReferenceAttention]:
+    """Run `lm` with `attention` (a fresh `ReferenceAttention` keeping every query's weights by default) for the
+    block; kvbench's attention again after it."""
+    attention = ReferenceAttention() if attention is None else attention
     AttentionInterface.register(NAME, attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     lm.model.set_attn_implementation(NAME)
@@ -60,14 +102,15 @@ def reference_attention(lm):
 
 
 def stock_forward(lm, cache: DynamicCache, ids: list[int], start: int) -> torch.Tensor:
-    position_ids = torch.arange(start, start + len(ids))[None]
-    inputs = {"input_ids": torch.tensor([ids]), lm.cache_arg: cache, "position_ids": position_ids, "use_cache": True}
+    """Feed `ids` at positions `start`... into the stock `cache`: the last position's logits `[1, vocab]`."""
+    position_ids = torch.arange(start, start + len(ids), device=lm.device)[None]
+    inputs = {"input_ids": torch.tensor([ids], device=lm.device), lm.cache_arg: cache, "position_ids": position_ids,
+              "use_cache": True, "logits_to_keep": 1}
     return lm.model(**inputs).logits[:, -1]
 
 
-def received(weights: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[1, H, q, n] -> attention each position received, summed over queries, averaged per KV head."""
-    per_head = weights[0].sum(dim=1)
+def per_kv_head(per_head: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """`[H, n]` -> `[kv_heads, n]`: the mean over each KV head's query heads."""
     return per_head.view(kv_heads, -1, per_head.shape[-1]).mean(dim=1)
 
 
@@ -80,16 +123,18 @@ def top_set(scores: torch.Tensor, candidates: torch.Tensor, count: int) -> torch
 
 
 def simulate(lm, prompt: list[int], decode: list[int], rule, cache: DynamicCache | None = None,
-             ) -> list[list[torch.Tensor]]:
+             attention: ReferenceAttention | None = None) -> list[list[torch.Tensor]]:
     """Run `prompt` then each `decode` token over a stock cache, attention masked to what is kept; after each
     step `rule(layer, weights, alive, seen, new)` returns the layer's kept mask `[kv_heads, seen]` given the
-    step's attention weights `[H, q, seen]` and `alive` (kept so far plus the `new` tokens).
-    Returns the kept masks per step (after the prompt, after each decode token), per layer. `cache`: the stock
-    cache to run in (a rule may read its keys). On a sliding layer, `alive` has already lost the positions the next
+    step's attention weights `[H, t, seen]` (its last `attention.tail` queries) and `alive` (kept so far plus the
+    `new` tokens). Returns the kept masks per step (after the prompt, after each decode token), per layer.
+    `cache`: the stock cache to run in (a rule may read its keys); `attention`: the reference attention to run
+    with (a rule may read its `received`). On a sliding layer, `alive` has already lost the positions the next
     query cannot see."""
     kept = {layer: torch.ones(lm.kv_heads, 0, dtype=torch.bool) for layer in range(lm.num_layers)}
     cache, history, seen = DynamicCache() if cache is None else cache, [], 0
-    with reference_attention(lm) as attention:
+    attention = ReferenceAttention() if attention is None else attention
+    with reference_attention(lm, attention):
         for ids in [prompt] + [[token] for token in decode]:
             attention.allowed = kept
             stock_forward(lm, cache, ids, seen)
@@ -109,9 +154,10 @@ def h2o_reference(lm, prompt: list[int], decode: list[int], budget: int, recent:
     """H2O keeps the `recent` newest plus the top `budget - recent` by attention accumulated over all queries.
     `prefill_kept` replaces H2O's own choice after the prompt (another policy compressed it)."""
     scores = {layer: torch.zeros(lm.kv_heads, len(prompt) + len(decode)) for layer in range(lm.num_layers)}
+    attention = ReferenceAttention(tail=1)
 
     def rule(layer, weights, alive, seen, new):
-        scores[layer][:, :seen] += received(weights[None], lm.kv_heads)
+        scores[layer][:, :seen] += per_kv_head(attention.received[layer][0], lm.kv_heads)
         if prefill_kept is not None and seen == len(prompt):
             return prefill_kept[layer].clone()
         is_recent = torch.arange(seen) >= seen - recent
@@ -123,7 +169,7 @@ def h2o_reference(lm, prompt: list[int], decode: list[int], budget: int, recent:
             for h in range(lm.kv_heads)
         ])
 
-    return simulate(lm, prompt, decode, rule)
+    return simulate(lm, prompt, decode, rule, attention=attention)
 
 
 @torch.no_grad()
@@ -134,13 +180,13 @@ def snapkv_reference(lm, prompt: list[int], window: int, kernel: int, pooling: s
     is what the next query still sees (from position n - W + 1), pooled over only those; earlier positions score
     -inf."""
     n = len(prompt)
-    with reference_attention(lm) as attention:
+    with reference_attention(lm, ReferenceAttention(tail=window)) as attention:
         stock_forward(lm, DynamicCache(), prompt, 0)
     scores = []
     for layer in range(lm.num_layers):
         first = 0 if attention.windows[layer] is None else max(0, n - attention.windows[layer] + 1)
-        weights = attention.weights[layer][0, :, n - window :, first : n - window]  # [H, window, prefix]
-        votes = weights.mean(dim=1).view(lm.kv_heads, -1, n - window - first).mean(dim=1)
+        weights = attention.weights[layer][0, :, :, first : n - window]  # [H, window, prefix]
+        votes = per_kv_head(weights.mean(dim=1), lm.kv_heads)
         pool = F.max_pool1d if pooling == "max" else F.avg_pool1d
         pooled = pool(votes[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
         scores.append(torch.cat([torch.full((lm.kv_heads, first), float("-inf")), pooled], dim=1))
@@ -160,7 +206,7 @@ def tova_reference(lm, prompt: list[int], decode: list[int], budget: int, per_he
             return alive
         return torch.stack([top_set(scores[h], alive[h], budget) for h in range(lm.kv_heads)])
 
-    return simulate(lm, prompt, decode, rule)
+    return simulate(lm, prompt, decode, rule, attention=ReferenceAttention(tail=1))
 
 
 @torch.no_grad()
@@ -168,7 +214,7 @@ def key_norms(lm, prompt: list[int]) -> list[torch.Tensor]:
     """Per layer, the L2 norm of every prompt key, `[kv_heads, n]`, from a stock cache."""
     cache = DynamicCache()
     stock_forward(lm, cache, prompt, 0)
-    return [cache.layers[layer].keys[0].norm(dim=-1) for layer in range(lm.num_layers)]
+    return [cache.layers[layer].keys[0].float().norm(dim=-1).cpu() for layer in range(lm.num_layers)]
 
 
 @torch.no_grad()
