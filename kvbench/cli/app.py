@@ -97,6 +97,7 @@ def main(
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # the "Loading weights" bar of every model load, not kvbench's own progress
 
 
 def parse_assignments(items: list[str], option: str) -> dict[str, Any]:

@@ -1,0 +1,551 @@
+"""`kvbench check`: kvbench proves itself on the user's own model, dtype, attention kernel and device.
+
+Each check is one line, passed, failed or skipped (what it cannot check here, and why), with its numbers:
+  generate   `full` decodes `model.generate`'s greedy tokens, logits within a stated tolerance (short, long prompt)
+  window     a window covering the whole sequence equals `full`
+  layers     sliding-window layers hold exactly what the model's own cache holds (window - 1 entries)
+  policy     each policy keeps what its plain-loop reference (kvbench/reference.py) keeps, short and long prompt
+  dtype      attention statistics in the model's dtype keep what they keep in float32
+  memory     the counted cache bytes are the bytes of its tensors; on a GPU the allocator's peak covers them, NVML's
+             device peak covers the allocator's, a cap below the weights is refused, an out-of-memory under a cap
+             is caught and its memory released; the NVML sampler's rate and its cost on a decode step
+  timing     a decode step of `full` within `TIMING_LIMIT` of `model.generate`'s
+The report (`--json`) carries versions, device (name, UUID, MIG slice), dtype and kernel with every number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from kvbench.errors import KvbenchError
+from kvbench.measure import Stopwatch, memory_pressure, open_nvml, tracing
+from kvbench.models import LoadedModel
+from kvbench.policies import build_policy
+from kvbench.session import RunSettings, Session
+
+Status = Literal["pass", "fail", "skip"]
+# the policies checked by default, and every one `--policies` may name: those with a plain-loop reference
+CHECKABLE = ("snapkv", "h2o", "tova", "knorm", "streaming_llm")
+# max |logit difference| over max |logit|: float32 differs only in summation order, a 16-bit dtype rounds every
+# activation (a logit of 30 in bfloat16 is a multiple of 0.125)
+LOGIT_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+# kept sets against the reference (Jaccard index over layers x KV heads): ties broken otherwise and summation order
+# may move an entry at the margin, a wrong rule moves many
+AGREEMENT_MEAN, AGREEMENT_WORST = 0.99, 0.90
+TIE_TOLERANCE = 1e-4  # relative: reference scores this close to the margin rank either way
+DTYPE_AGREEMENT_MEAN = 0.90  # the model's dtype against float32: its rounding moves entries at the margin
+TIMING_LIMIT = 1.5  # kvbench's decode step over model.generate's, medians of interleaved runs
+BUDGET_RATIO = 0.25
+NVML_RATE_HZ = 100.0
+# what an out-of-memory may leave allocated (the allocator's rounding, a cached rotary table)
+RELEASE_SLACK = 256 * 2**20
+
+
+@dataclass
+class Check:
+    name: str
+    status: Status
+    detail: str
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    short: int = 256  # tokens of the short prompt
+    long: int = 1024  # tokens of the long prompt (`--context`)
+    new_tokens: int = 16
+    decode_steps: int = 8  # decode tokens a decode-time policy evicts through against its reference
+    policies: tuple[str, ...] = CHECKABLE
+    attention: str = "sdpa"  # model.generate's attention implementation, kvbench's reference
+
+    def __post_init__(self) -> None:
+        unknown = [name for name in self.policies if name not in CHECKABLE]
+        if unknown:
+            raise KvbenchError(f"--policies: no reference for {', '.join(unknown)} (checkable: {', '.join(CHECKABLE)})")
+        if not 16 <= self.short <= self.long:
+            raise KvbenchError(f"--context {self.long} must be at least the short prompt's {self.short} tokens")
+
+
+def default_context(device: torch.device) -> int:
+    """The long prompt: a few minutes on an 8B model on one GPU, seconds on the embedded model on 2 CPU cores."""
+    return 16384 if device.type == "cuda" else 1024
+
+
+def run_checks(lm: LoadedModel, settings: CheckSettings, report: Callable[[Check], None]) -> list[Check]:
+    """Every check on `lm`, each passed to `report` as it finishes."""
+    checks: list[Check] = []
+    tokens = prompt_tokens(lm, settings.long + settings.new_tokens + settings.decode_steps)
+    prompts = {"short": tokens[: settings.short], "long": tokens[: settings.long]}
+    decode = tokens[settings.long : settings.long + settings.decode_steps]
+    for check in _all_checks(lm, settings, prompts, decode):
+        checks.append(check)
+        report(check)
+    return checks
+
+
+def _all_checks(lm: LoadedModel, settings: CheckSettings, prompts: dict[str, list[int]],
+                decode: list[int]) -> Iterator[Check]:
+    for label, prompt in prompts.items():
+        yield check_generate(lm, prompt, settings, label)
+    yield check_window(lm, prompts["long"], settings)
+    yield check_layers(lm, prompts["long"])
+    for name in settings.policies:
+        for label, prompt in prompts.items():
+            yield check_policy(lm, name, prompt, decode, label)
+    yield check_dtype(lm, prompts["long"], decode)
+    yield from check_memory(lm, prompts["long"])
+    yield check_timing(lm, prompts["short"], settings)
+
+
+def prompt_tokens(lm: LoadedModel, count: int) -> list[int]:
+    """`count` tokens of the embedded corpus (repeated if short), after the model's start token if it has one."""
+    from kvbench.tasks.corpus import haystack_text, load_corpus
+
+    bos = [lm.tokenizer.bos_token_id] if lm.tokenizer.bos_token_id is not None else []
+    text, _ = haystack_text(lm.tokenizer, load_corpus("embedded"), count)
+    return (bos + lm.tokenizer(text, add_special_tokens=False).input_ids)[:count]
+
+
+# --- full against model.generate ---------------------------------------------------------------
+
+def stock_generate(lm: LoadedModel, prompt: list[int], new_tokens: int, attention: str, until_eos: bool = True,
+                   ) -> tuple[list[int], list[torch.Tensor]]:
+    """`model.generate`'s greedy tokens (up to kvbench's end-of-sequence tokens, or exactly `new_tokens` without
+    `until_eos`) and each step's raw logits, with transformers' own cache and `attention`."""
+    lm.model.set_attn_implementation(attention)
+    try:
+        ids = torch.tensor([prompt], device=lm.device)
+        length = {} if until_eos else {"min_new_tokens": new_tokens}
+        out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, **length,
+                                eos_token_id=sorted(lm.eos_token_ids) or None, do_sample=False, top_p=None,
+                                top_k=None, temperature=None, pad_token_id=_pad_id(lm), output_logits=True,
+                                return_dict_in_generate=True)
+    except (ValueError, ImportError) as exc:  # an attention implementation this model or machine lacks
+        raise KvbenchError(f"--attention {attention}: {str(exc).splitlines()[0]}") from None
+    finally:
+        lm.model.set_attn_implementation("kvbench")
+    return out.sequences[0, len(prompt) :].tolist(), [step[0].float() for step in out.logits]
+
+
+def _pad_id(lm: LoadedModel) -> int:
+    return lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
+
+
+def kvbench_generate(lm: LoadedModel, policy: str, prompt: list[int], new_tokens: int, budget: int | None = None,
+                     until_eos: bool = True, measured: bool = True) -> tuple[list[int], list[torch.Tensor], Session]:
+    """kvbench's greedy tokens and each step's logits under `policy` (as `stock_generate`); `measured`: inside the
+    session's memory measurement (its NVML sampler runs on a GPU)."""
+    session = Session(lm, build_policy(policy), RunSettings(budget=budget), prompt_tokens=len(prompt),
+                      growth=new_tokens)
+    logits: list[torch.Tensor] = []
+    with session if measured else contextlib.nullcontext():
+        session.prefill(prompt)
+        tokens = session.decode(new_tokens, lm.eos_token_ids if until_eos else set(),
+                                follow=lambda _, step: logits.append(step[0].float().clone()))[0]
+    return tokens, logits, session
+
+
+def compare_generations(expected: tuple[list[int], list[torch.Tensor]], got: tuple[list[int], list[torch.Tensor]],
+                        dtype: torch.dtype) -> tuple[bool, str, dict[str, Any]]:
+    """Same tokens, and the logits of the steps both took within `LOGIT_TOLERANCE`: (passed, text, numbers)."""
+    (want, want_logits), (have, have_logits) = expected, got
+    same = next((i for i, (a, b) in enumerate(zip(want, have, strict=False)) if a != b), min(len(want), len(have)))
+    steps = min(same + 1, len(want_logits), len(have_logits))
+    difference = max(float((a - b).abs().max()) for a, b in zip(want_logits[:steps], have_logits[:steps],
+                                                                  strict=True))
+    scale = max(float(a.abs().max()) for a in want_logits[:steps])
+    relative, limit = difference / scale, LOGIT_TOLERANCE.get(dtype, 2e-2)
+    passed = same == len(want) == len(have) and relative <= limit
+    text = (f"{same} of {len(want)} tokens equal; max |d logit| {difference:.3g} = {relative:.2g} x max |logit| "
+            f"(limit {limit:g})")
+    if same < len(want):
+        text += f"; first difference at token {same}: {want[same]} expected, {have[same] if same < len(have) else '-'}"
+    return passed, text, {"tokens_equal": same, "tokens": len(want), "max_logit_diff": difference,
+                          "relative_logit_diff": relative, "limit": limit}
+
+
+def check_generate(lm: LoadedModel, prompt: list[int], settings: CheckSettings, label: str) -> Check:
+    expected = stock_generate(lm, prompt, settings.new_tokens, settings.attention)
+    tokens, logits, _ = kvbench_generate(lm, "full", prompt, settings.new_tokens)
+    passed, text, numbers = compare_generations(expected, (tokens, logits), lm.dtype)
+    return Check(f"generate.{label}", _status(passed),
+                 f"full against model.generate ({settings.attention}), {len(prompt)} tokens: {text}",
+                 {"prompt_tokens": len(prompt), **numbers})
+
+
+def check_window(lm: LoadedModel, prompt: list[int], settings: CheckSettings) -> Check:
+    budget = len(prompt) + settings.new_tokens + 1
+    full_tokens, full_logits, _ = kvbench_generate(lm, "full", prompt, settings.new_tokens)
+    tokens, logits, session = kvbench_generate(lm, "window", prompt, settings.new_tokens, budget)
+    passed, text, numbers = compare_generations((full_tokens, full_logits), (tokens, logits), lm.dtype)
+    evictions = session.cache.stats().evictions
+    passed &= evictions == 0
+    return Check("window", _status(passed), f"window of {budget} over a {len(prompt)}-token prompt against full: "
+                 f"{text}; {evictions} evictions", {**numbers, "evictions": evictions})
+
+
+def check_layers(lm: LoadedModel, prompt: list[int]) -> Check:
+    """Sliding layers physically hold `window - 1` entries after a prompt longer than the window, as the model's own
+    cache does (the generate check proves the attention over them); soft-capped logits are noted."""
+    kinds = lm.layer_kinds
+    windows = sorted({kind.window for kind in kinds if kind.window is not None})
+    softcap = next((kind.softcap for kind in kinds if kind.softcap is not None), None)
+    shape = (f"{len(kinds)} layers: {sum(k.window is not None for k in kinds)} sliding (window "
+             f"{', '.join(map(str, windows))}), {sum(k.window is None for k in kinds)} full") if windows else \
+        f"{len(kinds)} full-attention layers"
+    shape += f", logits soft-capped at {softcap:g}" if softcap is not None else ""
+    if not windows:
+        return Check("layers", "skip", f"{shape}: no sliding layers to check", {"layers": len(kinds)})
+    if len(prompt) <= max(windows):
+        return Check("layers", "skip", f"{shape}: the {len(prompt)}-token prompt does not pass the window "
+                     f"(raise --context)", {"layers": len(kinds)})
+    session = Session(lm, build_policy("full"), RunSettings(), prompt_tokens=len(prompt), growth=1)
+    with session:
+        session.prefill(prompt)
+    held = [int(layer.live_positions().shape[-1]) for layer in session.cache.layers]
+    wrong = [f"layer {i} holds {n}" for i, (n, kind) in enumerate(zip(held, kinds, strict=True))
+             if n != (len(prompt) if kind.window is None else kind.window - 1)]
+    detail = f"{shape}; after {len(prompt)} tokens the sliding layers hold window - 1 entries, the full ones all"
+    return Check("layers", _status(not wrong), detail + (f": {'; '.join(wrong[:3])}" if wrong else ""),
+                 {"held": held, "windows": windows, "softcap": softcap})
+
+
+# --- policies against their references -----------------------------------------------------------
+
+def kept_history(lm: LoadedModel, policy_name: str, prompt: list[int], decode: list[int], budget: int,
+                 ) -> tuple[list[list[torch.Tensor]], Any]:
+    """kvbench's kept masks `[kv_heads, seen]` per layer, after the prompt and after each decode token, and the
+    policy."""
+    policy = build_policy(policy_name)
+    session = Session(lm, policy, RunSettings(budget=budget), prompt_tokens=len(prompt), growth=len(decode))
+    with torch.inference_mode():
+        session.prefill(prompt)
+        history = [kept_masks(session)]
+        for token in decode:
+            session.step(token)
+            history.append(kept_masks(session))
+    return history, session.policy
+
+
+def kept_masks(session: Session) -> list[torch.Tensor]:
+    """Per layer, a `[kv_heads, seen]` mask of the positions the cache physically holds."""
+    masks = []
+    for layer in session.cache.layers:
+        positions = layer.live_positions()[0].cpu()
+        mask = torch.zeros(positions.shape[0], layer.seen, dtype=torch.bool)
+        padding = layer.padding()
+        held = torch.ones_like(positions, dtype=torch.bool) if padding is None else ~padding[0].cpu()
+        mask.scatter_(1, positions, held)
+        masks.append(mask)
+    return masks
+
+
+def reference_history(lm: LoadedModel, policy: Any, prompt: list[int], decode: list[int], budget: int,
+                      ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor] | None]:
+    """The reference's kept masks (as `kept_history`), and for a prompt-scoring policy each layer's reference
+    scores `[kv_heads, n]` (ties in them may be broken either way)."""
+    from kvbench import reference
+
+    if policy.name == "h2o":
+        return reference.h2o_reference(lm, prompt, decode, budget, recent=round(budget * policy.recent_ratio)), None
+    if policy.name == "tova":
+        return reference.tova_reference(lm, prompt, decode, budget, per_head=policy.per_head), None
+    if policy.name == "streaming_llm":
+        return [_streaming_masks(lm, len(prompt) + step, budget, policy.sinks) for step in range(len(decode) + 1)], None
+    n = len(prompt)
+    if policy.name == "snapkv":  # the observation window is kept: it scores above everything
+        scores = [torch.cat([prefix, torch.full((lm.kv_heads, policy.window), float("inf"))], dim=1)
+                  for prefix in reference.snapkv_reference(lm, prompt, policy.window, policy.kernel, policy.pooling)]
+    else:  # knorm: the lowest key norms, of what a sliding layer still holds
+        scores = [(-norms).masked_fill(~_visible(lm, layer, n), float("-inf"))
+                  for layer, norms in enumerate(reference.key_norms(lm, prompt))]
+    kept = [_top(score, _held(lm, layer, n, budget)) for layer, score in enumerate(scores)]
+    return [kept], scores
+
+
+def _held(lm: LoadedModel, layer: int, n: int, budget: int) -> int:
+    window = lm.layer_kinds[layer].window
+    return min(budget, n if window is None else window - 1)
+
+
+def _visible(lm: LoadedModel, layer: int, n: int) -> torch.Tensor:
+    """`[n]`: the positions of an `n`-token prompt a layer still holds (a sliding one, its last `window - 1`)."""
+    window = lm.layer_kinds[layer].window
+    return torch.arange(n) > (-1 if window is None else n - window)
+
+
+def _top(scores: torch.Tensor, held: int) -> torch.Tensor:
+    """`[kv_heads, n]`: the `held` best-scoring entries of each head (a score of -inf: not held at all)."""
+    kept = torch.zeros_like(scores, dtype=torch.bool)
+    kept.scatter_(1, scores.topk(held, dim=-1).indices, True)
+    return kept & (scores > float("-inf"))
+
+
+def _streaming_masks(lm: LoadedModel, seen: int, budget: int, sinks: int) -> list[torch.Tensor]:
+    """StreamingLLM after `seen` tokens: the first `sinks` positions and the most recent ones, `budget` in all, of
+    what each layer holds (a sliding layer no longer holds its sinks once the window passed them)."""
+    positions = torch.arange(seen, dtype=torch.float32)
+    rank = positions.masked_fill(positions < sinks, float("inf"))
+    masks = []
+    for layer in range(lm.num_layers):
+        scores = rank.masked_fill(~_visible(lm, layer, seen), float("-inf"))[None].expand(lm.kv_heads, seen)
+        masks.append(_top(scores, _held(lm, layer, seen, budget)))
+    return masks
+
+
+def agreement(ours: list[list[torch.Tensor]], theirs: list[list[torch.Tensor]],
+              scores: list[torch.Tensor] | None = None) -> tuple[float, float]:
+    """Mean and worst Jaccard index of the kept sets over steps x layers x KV heads. With reference `scores`, the
+    entries that score as the reference's lowest kept one, within `TIE_TOLERANCE` (a tie, which float32 sums in
+    another order break either way), are interchangeable: what counts of them is how many each side keeps."""
+    values = []
+    for step_ours, step_theirs in zip(ours, theirs, strict=False):
+        for layer, (mine, expected) in enumerate(zip(step_ours, step_theirs, strict=True)):
+            mine = mine[:, : expected.shape[1]]
+            tie = torch.zeros_like(expected)
+            if scores is not None:
+                score = scores[layer]
+                lowest = score.masked_fill(~expected, float("inf")).min(dim=-1, keepdim=True).values
+                tie = ((score - lowest).abs() <= TIE_TOLERANCE * lowest.abs()) & (score > float("-inf"))
+            ours_tied, theirs_tied = (mine & tie).sum(-1), (expected & tie).sum(-1)
+            shared = (mine & expected & ~tie).sum(-1) + torch.minimum(ours_tied, theirs_tied)
+            union = ((mine | expected) & ~tie).sum(-1) + torch.maximum(ours_tied, theirs_tied)
+            values.extend((shared / union.clamp(min=1)).tolist())
+    return statistics.fmean(values), min(values)
+
+
+def check_policy(lm: LoadedModel, name: str, prompt: list[int], decode: list[int], label: str) -> Check:
+    budget = max(1, round(BUDGET_RATIO * len(prompt)))
+    try:
+        build_policy(name).check_budget(budget)
+    except KvbenchError as exc:
+        return Check(f"policy.{name}.{label}", "skip", f"{name} at {budget} of {len(prompt)} tokens: {exc}")
+    steps = decode if build_policy(name).evicts_during_decode else []
+    ours, policy = kept_history(lm, name, prompt, steps, budget)
+    theirs, scores = reference_history(lm, policy, prompt, steps, budget)
+    mean, worst = agreement(ours if scores is None else ours[:1], theirs, scores)
+    passed = mean >= AGREEMENT_MEAN and worst >= AGREEMENT_WORST
+    return Check(f"policy.{name}.{label}", _status(passed),
+                 f"{name} against its reference at {budget} of {len(prompt)} tokens"
+                 f"{f' and {len(steps)} decode steps' if steps else ''}: kept sets agree {mean:.4f} on average, "
+                 f"{worst:.4f} at worst (limits {AGREEMENT_MEAN}, {AGREEMENT_WORST})",
+                 {"budget": budget, "prompt_tokens": len(prompt), "decode_steps": len(steps), "mean": mean,
+                  "worst": worst})
+
+
+def check_dtype(lm: LoadedModel, prompt: list[int], decode: list[int]) -> Check:
+    """SnapKV and H2O in the model's dtype against the same model in float32 (upcast in place and back: a 16-bit
+    weight survives the round trip exactly)."""
+    if lm.dtype == torch.float32:
+        return Check("dtype", "skip", "the model runs in float32 (pass --dtype bfloat16 to check half precision)")
+    budget = max(1, round(BUDGET_RATIO * len(prompt)))
+    results = {}
+    for name, steps in (("snapkv", []), ("h2o", decode)):
+        results[name] = kept_history(lm, name, prompt, steps, budget)[0]
+    lm.model.float()
+    try:
+        upcast = {name: kept_history(lm, name, prompt, steps, budget)[0] for name, steps in
+                  (("snapkv", []), ("h2o", decode))}
+    finally:
+        lm.model.to(lm.dtype)
+    means = {name: agreement(results[name], upcast[name]) for name in results}
+    passed = all(mean >= DTYPE_AGREEMENT_MEAN for mean, _ in means.values())
+    dtype = str(lm.dtype).removeprefix("torch.")
+    text = "; ".join(f"{name} {mean:.4f} (worst {worst:.4f})" for name, (mean, worst) in means.items())
+    return Check("dtype", _status(passed), f"kept sets in {dtype} against float32 at {budget} of {len(prompt)} "
+                 f"tokens: {text} (limit {DTYPE_AGREEMENT_MEAN} on average)",
+                 {name: {"mean": m, "worst": w} for name, (m, w) in means.items()})
+
+
+# --- memory ----------------------------------------------------------------------------------------
+
+def check_memory(lm: LoadedModel, prompt: list[int]) -> Iterator[Check]:
+    record, storage = _measured_full(lm, prompt)
+    yield judge_counted(record, storage)
+    if lm.device.type != "cuda":
+        note = "on CPU kvbench records the process's resident memory, not an allocator's"
+        yield Check("memory.allocator", "skip", f"no GPU: {note}")
+        yield Check("memory.nvml", "skip", "no GPU")
+        yield check_cpu_limit(lm, prompt, record["kv_bytes_peak"])
+        return
+    yield judge_allocator(record)
+    yield judge_nvml(record)
+    yield check_cap_below_weights(lm, prompt)
+    yield check_oom_released(lm)
+    yield check_sampler(lm, prompt)
+
+
+def _measured_full(lm: LoadedModel, prompt: list[int]) -> tuple[dict[str, Any], int]:
+    """A `full` session's record after a prompt and a few tokens, and the bytes its cache's tensors hold."""
+    session = Session(lm, build_policy("full"), RunSettings(), prompt_tokens=len(prompt), growth=8)
+    with session:
+        session.prefill(prompt)
+        session.decode(4, set())
+    storage = sum(tensor.untyped_storage().nbytes() for layer in session.cache.layers
+                  for tensor in (layer.keys, layer.values))
+    return session.measurements(), storage
+
+
+def judge_counted(record: dict[str, Any], storage: int) -> Check:
+    counted = record["kv_bytes_physical"]
+    return Check("memory.counted", _status(counted == storage),
+                 f"the cache bytes kvbench counts ({_gib(counted)}) are its tensors' ({_gib(storage)})",
+                 {"counted": counted, "storage": storage})
+
+
+def judge_allocator(record: dict[str, Any]) -> Check:
+    grown = record["mem_peak_alloc"] - record["mem_baseline"]
+    return Check("memory.allocator", _status(grown >= record["kv_bytes_peak"]),
+                 f"the allocator's peak grew {_gib(grown)} over the sample, at least the cache's "
+                 f"{_gib(record['kv_bytes_peak'])}", {"grown": grown, "kv_bytes_peak": record["kv_bytes_peak"]})
+
+
+def judge_nvml(record: dict[str, Any]) -> Check:
+    device, alloc = record.get("mem_peak_device"), record["mem_peak_alloc"]
+    if device is None:
+        return Check("memory.nvml", "fail", f"no NVML device peak: {record.get('mem_device_note')}")
+    return Check("memory.nvml", _status(device >= alloc > 0),
+                 f"NVML's device peak {_gib(device)} is at least the allocator's {_gib(alloc)}",
+                 {"device": device, "allocator": alloc})
+
+
+def check_cpu_limit(lm: LoadedModel, prompt: list[int], full_bytes: int) -> Check:
+    """On CPU the memory condition caps the KV cache: a cap of half the full cache must stop `full`."""
+    try:
+        session = Session(lm, build_policy("full"), RunSettings(kv_limit_bytes=full_bytes // 2),
+                          prompt_tokens=len(prompt), growth=1)
+        with session:
+            session.prefill(prompt)
+    except torch.OutOfMemoryError as exc:
+        return Check("memory.cap", "pass", f"a KV cap of half the full cache stops full: {str(exc).splitlines()[0]}")
+    return Check("memory.cap", "fail", f"full ran under a KV cap of {_gib(full_bytes // 2)}, half its cache")
+
+
+def check_cap_below_weights(lm: LoadedModel, prompt: list[int]) -> Check:
+    weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    try:
+        with memory_pressure(lm.devices, limit_bytes=weights // 2):
+            kvbench_generate(lm, "full", prompt, 1)
+    except torch.OutOfMemoryError:
+        return Check("memory.cap", "pass", f"a cap of {_gib(weights // 2)}, half the weights, is refused (out of "
+                     f"memory at the first allocation)", {"cap": weights // 2, "weights": weights})
+    return Check("memory.cap", "fail", f"full ran under a cap of {_gib(weights // 2)}, below its weights "
+                 f"({_gib(weights)}): the cap was not applied", {"cap": weights // 2, "weights": weights})
+
+
+def check_oom_released(lm: LoadedModel, tokens: int = 131072, headroom: int = 64 * 2**20) -> Check:
+    """A prompt that cannot fit under a cap a little above what is held: the error comes, and its memory goes."""
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(lm.device)
+    cap = torch.cuda.memory_reserved(lm.device) + headroom
+    message = None
+    with memory_pressure(lm.devices, limit_bytes=cap):
+        try:
+            kvbench_generate(lm, "full", [i % 256 for i in range(tokens)], 1)
+        except torch.OutOfMemoryError as exc:
+            message = str(exc).splitlines()[0][:160]
+    after = torch.cuda.memory_allocated(lm.device)
+    numbers = {"cap": cap, "allocated_before": before, "allocated_after": after, "message": message}
+    if message is None:
+        return Check("memory.oom", "fail", f"{tokens} tokens ran under a cap of {_gib(cap)}: no out-of-memory",
+                     numbers)
+    released = after - before <= RELEASE_SLACK
+    return Check("memory.oom", _status(released), f"{tokens} tokens under a cap of {_gib(cap)}: out of memory "
+                 f"caught; {_gib(after - before)} still allocated after it", numbers)
+
+
+def check_sampler(lm: LoadedModel, prompt: list[int], steps: int = 32, rounds: int = 3) -> Check:
+    """The NVML sampler's achieved rate (from a measured sample's trace), and a decode step's time measured (the
+    sampler running) against unmeasured, interleaved."""
+    timed: dict[bool, list[float]] = {False: [], True: []}
+    rates = []
+    for _ in range(rounds):
+        for measured in (False, True):
+            with tracing() as traces:
+                session = kvbench_generate(lm, "full", prompt, steps, until_eos=False, measured=measured)[2]
+            timed[measured].append(statistics.median(session.step_s))
+            if traces and traces[0]["rows"]:
+                rows = traces[0]["rows"]
+                rates.append((len(rows) - 1) / max(rows[-1][0], 1e-9))
+    if not rates:
+        return Check("memory.sampler", "fail", f"no NVML samples: {open_nvml(lm.devices)[1]}")
+    rate = statistics.median(rates)
+    cost = statistics.median(timed[True]) / statistics.median(timed[False]) - 1
+    return Check("memory.sampler", _status(rate >= NVML_RATE_HZ / 2),
+                 f"NVML sampled at {rate:.0f} Hz (asked {NVML_RATE_HZ:g}, limit half that); a decode step costs "
+                 f"{cost:+.1%} with it", {"rate_hz": rate, "decode_step_cost": cost})
+
+
+# --- timing ----------------------------------------------------------------------------------------
+
+def check_timing(lm: LoadedModel, prompt: list[int], settings: CheckSettings, rounds: int = 3) -> Check:
+    """Median decode-step time of `full` against model.generate's (its N-token run less its 1-token run, per
+    token), interleaved so a noisy machine slows both."""
+    ours, theirs = [], []
+    tokens = max(settings.new_tokens, 16)
+    for _ in range(rounds):
+        session = kvbench_generate(lm, "full", prompt, tokens, until_eos=False)[2]
+        ours.append(statistics.median(session.step_s))
+        clock = Stopwatch(lm.devices)
+        stock_generate(lm, prompt, 1, settings.attention, until_eos=False)
+        one = clock.lap()
+        stock_generate(lm, prompt, tokens, settings.attention, until_eos=False)
+        theirs.append((clock.lap() - one) / (tokens - 1))
+    ratio = statistics.median(ours) / statistics.median(theirs)
+    return Check("timing", _status(ratio <= TIMING_LIMIT),
+                 f"a decode step of full takes {statistics.median(ours) * 1e3:.1f} ms, model.generate's "
+                 f"{statistics.median(theirs) * 1e3:.1f} ms: {ratio:.2f}x (limit {TIMING_LIMIT}x)",
+                 {"kvbench_step_s": statistics.median(ours), "generate_step_s": statistics.median(theirs),
+                  "ratio": ratio})
+
+
+# --- the report ------------------------------------------------------------------------------------
+
+def _status(passed: bool) -> Status:
+    return "pass" if passed else "fail"
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2**30:.2f} GiB" if value >= 2**26 else f"{value / 2**20:.1f} MiB"
+
+
+def device_facts(lm: LoadedModel) -> dict[str, Any]:
+    """The device as a bug report needs it: name, UUID and MIG slice on a GPU."""
+    from kvbench.results import environment
+
+    facts = environment(lm.device)
+    if lm.device.type == "cuda":
+        properties = torch.cuda.get_device_properties(lm.device)
+        uuid = str(getattr(properties, "uuid", "") or "") or None
+        facts.update(device_uuid=uuid, mig=None)
+        nvml, note = open_nvml(lm.devices)
+        if nvml is not None:
+            handle = nvml.handles[0]
+            try:
+                facts["mig"] = nvml.nvml.nvmlDeviceGetMigMode(handle)[0] == nvml.nvml.NVML_DEVICE_MIG_ENABLE
+            except nvml.nvml.NVMLError:  # a GPU without MIG
+                facts["mig"] = False
+            nvml.close()
+        else:
+            facts["nvml_note"] = note
+    return facts
+
+
+def report_dict(lm: LoadedModel, settings: CheckSettings, checks: list[Check], seconds: float) -> dict[str, Any]:
+    return {
+        "model": lm.describe(),
+        "environment": device_facts(lm),
+        "attention": {"kvbench": "kvbench (transformers' SDPA, statistics in float32)",
+                      "reference": settings.attention},
+        "settings": dataclasses.asdict(settings),
+        "checks": [dataclasses.asdict(check) for check in checks],
+        "passed": all(check.status != "fail" for check in checks),
+        "seconds": round(seconds, 1),
+    }

@@ -1,0 +1,63 @@
+"""`kvbench check`: the harness checks itself on this model, dtype, attention kernel and device."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import typer
+from rich.markup import escape
+
+from kvbench.cli.app import app, stdout, user_errors
+
+MARKS = {"pass": "[green]pass[/]", "fail": "[bold red]FAIL[/]", "skip": "[yellow]skip[/]"}
+
+
+@app.command()
+@user_errors
+def check(
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help="Hub id, local folder, .gguf file, an embedded "
+                              "model (smollm2-135m, gemma3-270m) or random:<shape>."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
+    context: int | None = typer.Option(None, "--context", "-c", min=16, help="Tokens of the long prompt "
+                                       "(default 16384 on a GPU, 1024 on CPU); the short one has 256."),
+    policies: str | None = typer.Option(None, "--policies", help="Comma-separated policies to check against their "
+                                        "references (default: snapkv,h2o,tova,knorm,streaming_llm)."),
+    attention: str = typer.Option("sdpa", "--attention", help="model.generate's attention implementation, the "
+                                  "reference for full (sdpa, eager, flash_attention_2, ...)."),
+    json_path: Path | None = typer.Option(None, "--json", help="Write the report (versions, device, every "
+                                          "number) to this file."),
+    seed: int = typer.Option(0, "--seed", help="Seed for random weights."),
+) -> None:
+    """Check kvbench on this model and device: full equals model.generate, policies keep what their references
+    keep, memory readings hold, decode speed. Exit 1 if a check fails."""
+    from kvbench.check import CHECKABLE, CheckSettings, default_context, report_dict, run_checks
+    from kvbench.models import load_model, resolve_device
+
+    names = tuple(name.strip() for name in policies.split(",") if name.strip()) if policies else CHECKABLE
+    long = context or default_context(resolve_device(device))
+    settings = CheckSettings(short=min(256, long), long=long, policies=names, attention=attention)
+    started = time.perf_counter()
+    lm = load_model(model, dtype=dtype, device=device, seed=seed)
+    described = lm.describe()
+    stdout.print(f"kvbench check: {escape(model)} ({described['architecture']}, {described['layers']} layers, "
+                 f"{described['kv_heads']} KV heads x {described['head_dim']}) on {lm.device}, "
+                 f"{described['dtype']}; prompts of {settings.short} and {settings.long} tokens", highlight=False)
+
+    def report(result) -> None:
+        stdout.print(f"  {MARKS[result.status]}  {result.name:<27} {escape(result.detail)}", highlight=False,
+                     soft_wrap=True)
+
+    checks = run_checks(lm, settings, report)
+    seconds = time.perf_counter() - started
+    counts = {status: sum(c.status == status for c in checks) for status in MARKS}
+    summary = f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped in {seconds:.0f} s"
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report_dict(lm, settings, checks, seconds), indent=2, default=str) + "\n")
+        summary += f"; report: {json_path}"
+    stdout.print(summary, highlight=False)
+    if counts["fail"]:
+        raise typer.Exit(1)
