@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
-# The CUDA path as a check, on one large GPU: device facts, a timed sweep of a random-weight Llama-3-8B at 32k
-# tokens with NVML traces, a memory-pressure sweep, an intentional OOM outside the sweep, then
-# benchmarks/gpu/check.py judges what they left in OUT ($1, default benchmarks/results/gpu-<date>): one table, and
-# exit 1 if anything is wrong. The log is OUT/check.log; commit it.
+# The CUDA path as a check, on one large GPU: device facts, `kvbench check` on a random-weight Llama-3-8B at 16k
+# tokens (full against model.generate, the policies against their references, memory readings, a cap below the
+# weights, an out-of-memory caught and released, the NVML sampler, decode timing), a timed sweep of the same shape at
+# 32k with NVML traces, a memory-pressure sweep; then benchmarks/gpu/check.py judges what they left in OUT ($1,
+# default benchmarks/results/gpu-<date>): one table, and exit 1 if anything is wrong. The log is OUT/check.log; commit
+# it with OUT/check.json.
 #
 # Time on one H200 (16 cores; expected, not yet measured), each step killed at its budget (check.py then fails it),
-# under 8 minutes in all:
+# under 10 minutes in all:
 #   facts, `kvbench estimate`  ~15 s     budget  30 s (+ the estimate, ~5 s)
-#   gpu/sweep.yaml             ~2 min    budget 200 s: random init on the GPU ~20 s, 4 cells x (warm-up + timed run)
-#   gpu/pressure.yaml          ~1.5 min  budget 150 s: 9 cells, the 99% ones out of memory at their first allocation
-#   gpu/oom.py                 ~30 s     budget  60 s
+#   kvbench check              ~2.5 min  budget 240 s: random init ~20 s, ~25 forwards of 16k tokens
+#   gpu/sweep.yaml             ~2 min    budget 180 s: random init on the GPU ~20 s, 4 cells x (warm-up + timed run)
+#   gpu/pressure.yaml          ~1.5 min  budget 120 s: 9 cells, the 99% ones out of memory at their first allocation
 #   check.py                   ~3 s
 set -uo pipefail  # no -e: a failed step is recorded in OUT/<step>.exit, and the others still run
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results/gpu-$(date +%F)}
 # a check measures afresh: a run folder left in OUT by an earlier check would be resumed, its cells not run again
-rm -rf "$out/sweep" "$out/pressure" "$out/oom.json" "$out"/*.exit
+rm -rf "$out/sweep" "$out/pressure" "$out/check.json" "$out"/*.exit
 mkdir -p "$out"
 kvbench=${KVBENCH:-.venv/bin/kvbench}
 python=${PYTHON:-.venv/bin/python}
@@ -36,9 +38,10 @@ step() {  # step NAME BUDGET_S COMMAND...: run COMMAND within its budget, its ex
     step facts 30 "$python" -c 'import torch, transformers, pynvml
 print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, "nvml ok")'
     "$kvbench" estimate llama-3-8b -c 32768 --dtype bfloat16 -b 1024 --device-memory 140GiB
-    step sweep 200 "$kvbench" sweep benchmarks/gpu/sweep.yaml -o "$out/sweep" --trace -q
-    step pressure 150 "$kvbench" sweep benchmarks/gpu/pressure.yaml -o "$out/pressure" -q
-    step oom 60 "$python" benchmarks/gpu/oom.py "$out/oom.json"
+    step check 240 "$kvbench" check -m random:llama-3-8b --device cuda --dtype bfloat16 --context 16384 \
+        --json "$out/check.json"
+    step sweep 180 "$kvbench" sweep benchmarks/gpu/sweep.yaml -o "$out/sweep" --trace -q
+    step pressure 120 "$kvbench" sweep benchmarks/gpu/pressure.yaml -o "$out/pressure" -q
     "$python" benchmarks/gpu/check.py "$out"
 } 2>&1 | tee "$out/check.log"
 exit "${PIPESTATUS[0]}"

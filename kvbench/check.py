@@ -20,10 +20,11 @@ import dataclasses
 import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
+from kvbench.cache import LayerKV
 from kvbench.errors import KvbenchError
 from kvbench.measure import Stopwatch, memory_pressure, open_nvml, tracing
 from kvbench.models import LoadedModel
@@ -100,7 +101,7 @@ def _all_checks(lm: LoadedModel, settings: CheckSettings, prompts: dict[str, lis
         for label, prompt in prompts.items():
             yield check_policy(lm, name, prompt, decode, label)
     yield check_dtype(lm, prompts["long"], decode)
-    yield from check_memory(lm, prompts["long"])
+    yield from check_memory(lm, prompts["long"], prompts["short"])
     yield check_timing(lm, prompts["short"], settings)
 
 
@@ -123,10 +124,10 @@ def stock_generate(lm: LoadedModel, prompt: list[int], new_tokens: int, attentio
     try:
         ids = torch.tensor([prompt], device=lm.device)
         length = {} if until_eos else {"min_new_tokens": new_tokens}
-        out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, **length,
-                                eos_token_id=sorted(lm.eos_token_ids) or None, do_sample=False, top_p=None,
-                                top_k=None, temperature=None, pad_token_id=_pad_id(lm), output_logits=True,
-                                return_dict_in_generate=True)
+        out = cast(Any, lm.model).generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, **length,
+            eos_token_id=sorted(lm.eos_token_ids) or None, do_sample=False, top_p=None, top_k=None, temperature=None,
+            pad_token_id=_pad_id(lm), output_logits=True, return_dict_in_generate=True)
     except (ValueError, ImportError) as exc:  # an attention implementation this model or machine lacks
         raise KvbenchError(f"--attention {attention}: {str(exc).splitlines()[0]}") from None
     finally:
@@ -209,7 +210,7 @@ def check_layers(lm: LoadedModel, prompt: list[int]) -> Check:
     session = Session(lm, build_policy("full"), RunSettings(), prompt_tokens=len(prompt), growth=1)
     with session:
         session.prefill(prompt)
-    held = [int(layer.live_positions().shape[-1]) for layer in session.cache.layers]
+    held = [int(layer.live_positions().shape[-1]) for layer in cache_layers(session)]
     wrong = [f"layer {i} holds {n}" for i, (n, kind) in enumerate(zip(held, kinds, strict=True))
              if n != (len(prompt) if kind.window is None else kind.window - 1)]
     detail = f"{shape}; after {len(prompt)} tokens the sliding layers hold window - 1 entries, the full ones all"
@@ -234,10 +235,14 @@ def kept_history(lm: LoadedModel, policy_name: str, prompt: list[int], decode: l
     return history, session.policy
 
 
+def cache_layers(session: Session) -> list[LayerKV]:
+    return cast(list[LayerKV], session.cache.layers)
+
+
 def kept_masks(session: Session) -> list[torch.Tensor]:
     """Per layer, a `[kv_heads, seen]` mask of the positions the cache physically holds."""
     masks = []
-    for layer in session.cache.layers:
+    for layer in cache_layers(session):
         positions = layer.live_positions()[0].cpu()
         mask = torch.zeros(positions.shape[0], layer.seen, dtype=torch.bool)
         padding = layer.padding()
@@ -263,9 +268,10 @@ def reference_history(lm: LoadedModel, policy: Any, prompt: list[int], decode: l
     if policy.name == "snapkv":  # the observation window is kept: it scores above everything
         scores = [torch.cat([prefix, torch.full((lm.kv_heads, policy.window), float("inf"))], dim=1)
                   for prefix in reference.snapkv_reference(lm, prompt, policy.window, policy.kernel, policy.pooling)]
-    else:  # knorm: the lowest key norms, of what a sliding layer still holds
-        scores = [(-norms).masked_fill(~_visible(lm, layer, n), float("-inf"))
-                  for layer, norms in enumerate(reference.key_norms(lm, prompt))]
+    else:  # knorm: the lowest key norms
+        scores = [-norms for norms in reference.key_norms(lm, prompt)]
+    # of what each layer still holds (a sliding one, its last window - 1 positions)
+    scores = [score.masked_fill(~_visible(lm, layer, n), float("-inf")) for layer, score in enumerate(scores)]
     kept = [_top(score, _held(lm, layer, n, budget)) for layer, score in enumerate(scores)]
     return [kept], scores
 
@@ -354,7 +360,7 @@ def check_dtype(lm: LoadedModel, prompt: list[int], decode: list[int]) -> Check:
         upcast = {name: kept_history(lm, name, prompt, steps, budget)[0] for name, steps in
                   (("snapkv", []), ("h2o", decode))}
     finally:
-        lm.model.to(lm.dtype)
+        cast(Any, lm.model).to(lm.dtype)
     means = {name: agreement(results[name], upcast[name]) for name in results}
     passed = all(mean >= DTYPE_AGREEMENT_MEAN for mean, _ in means.values())
     dtype = str(lm.dtype).removeprefix("torch.")
@@ -366,7 +372,8 @@ def check_dtype(lm: LoadedModel, prompt: list[int], decode: list[int]) -> Check:
 
 # --- memory ----------------------------------------------------------------------------------------
 
-def check_memory(lm: LoadedModel, prompt: list[int]) -> Iterator[Check]:
+def check_memory(lm: LoadedModel, prompt: list[int], short: list[int]) -> Iterator[Check]:
+    """The memory checks, at the long `prompt` (the sampler's cost at the `short` one: it decodes many times)."""
     record, storage = _measured_full(lm, prompt)
     yield judge_counted(record, storage)
     if lm.device.type != "cuda":
@@ -379,7 +386,7 @@ def check_memory(lm: LoadedModel, prompt: list[int]) -> Iterator[Check]:
     yield judge_nvml(record)
     yield check_cap_below_weights(lm, prompt)
     yield check_oom_released(lm)
-    yield check_sampler(lm, prompt)
+    yield check_sampler(lm, short)
 
 
 def _measured_full(lm: LoadedModel, prompt: list[int]) -> tuple[dict[str, Any], int]:
@@ -388,8 +395,8 @@ def _measured_full(lm: LoadedModel, prompt: list[int]) -> tuple[dict[str, Any], 
     with session:
         session.prefill(prompt)
         session.decode(4, set())
-    storage = sum(tensor.untyped_storage().nbytes() for layer in session.cache.layers
-                  for tensor in (layer.keys, layer.values))
+    storage = sum(int(tensor.untyped_storage().nbytes()) for layer in cache_layers(session)
+                  for tensor in (layer.keys, layer.values) if tensor is not None)
     return session.measurements(), storage
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -111,7 +112,7 @@ def stock_forward(lm, cache: DynamicCache, ids: list[int], start: int) -> torch.
 
 def per_kv_head(per_head: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """`[H, n]` -> `[kv_heads, n]`: the mean over each KV head's query heads."""
-    return per_head.view(kv_heads, -1, per_head.shape[-1]).mean(dim=1)
+    return per_head.view(kv_heads, per_head.shape[0] // kv_heads, per_head.shape[-1]).mean(dim=1)
 
 
 def top_set(scores: torch.Tensor, candidates: torch.Tensor, count: int) -> torch.Tensor:
@@ -141,8 +142,9 @@ def simulate(lm, prompt: list[int], decode: list[int], rule, cache: DynamicCache
             seen += len(ids)
             for layer in range(lm.num_layers):
                 alive = torch.cat([kept[layer], torch.ones(lm.kv_heads, len(ids), dtype=torch.bool)], dim=1)
-                if attention.windows[layer] is not None:
-                    alive &= torch.arange(seen) > seen - attention.windows[layer]
+                window = attention.windows[layer]
+                if window is not None:
+                    alive &= torch.arange(seen) > seen - window
                 kept[layer] = rule(layer, attention.weights[layer][0], alive, seen, len(ids))
             history.append([mask.clone() for mask in kept.values()])
     return history
@@ -184,11 +186,12 @@ def snapkv_reference(lm, prompt: list[int], window: int, kernel: int, pooling: s
         stock_forward(lm, DynamicCache(), prompt, 0)
     scores = []
     for layer in range(lm.num_layers):
-        first = 0 if attention.windows[layer] is None else max(0, n - attention.windows[layer] + 1)
+        sliding = attention.windows[layer]
+        first = 0 if sliding is None else min(n - window, max(0, n - sliding + 1))
         weights = attention.weights[layer][0, :, :, first : n - window]  # [H, window, prefix]
         votes = per_kv_head(weights.mean(dim=1), lm.kv_heads)
         pool = F.max_pool1d if pooling == "max" else F.avg_pool1d
-        pooled = pool(votes[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
+        pooled = pool(votes[:, None], kernel, stride=1, padding=kernel // 2)[:, 0] if votes.shape[-1] else votes
         scores.append(torch.cat([torch.full((lm.kv_heads, first), float("-inf")), pooled], dim=1))
     return scores
 
@@ -214,7 +217,7 @@ def key_norms(lm, prompt: list[int]) -> list[torch.Tensor]:
     """Per layer, the L2 norm of every prompt key, `[kv_heads, n]`, from a stock cache."""
     cache = DynamicCache()
     stock_forward(lm, cache, prompt, 0)
-    return [cache.layers[layer].keys[0].float().norm(dim=-1).cpu() for layer in range(lm.num_layers)]
+    return [cast(Any, cache.layers[layer]).keys[0].float().norm(dim=-1).cpu() for layer in range(lm.num_layers)]
 
 
 @torch.no_grad()
@@ -224,7 +227,7 @@ def scissorhands_reference(lm, prompt: list[int], decode: list[int], budget: int
     sees) of its attention; over budget, the entries marked most often go first (the oldest among equals),
     never the `recent` newest."""
     total = len(prompt) + len(decode)
-    marks = {layer: {} for layer in range(lm.num_layers)}  # query position -> [kv_heads, total] verdicts
+    marks: dict[int, dict[int, torch.Tensor]] = {layer: {} for layer in range(lm.num_layers)}  # by query position
 
     def rule(layer, weights, alive, seen, new):
         for i in range(max(0, new - history), new):

@@ -3,12 +3,13 @@
 Wrong is:
   - a step that did not finish or exited non-zero (gpu_check.sh writes each step's exit status to OUT/<step>.exit;
     124 is its time budget running out);
+  - a failed line of `kvbench check` (OUT/check.json: full against model.generate, the policies against their
+    references, the memory readings, a cap below the weights, an out-of-memory caught and released, the sampler);
   - a cell of the run's grid missing from its run folder (the sweep stopped), or recorded as `error`;
   - a cell out of memory without a memory condition, or a pressure cell that ran although its cap is below the
     model's weights (the cap was not applied);
   - a record without an allocator or NVML device peak, or whose NVML device peak is below the allocator's (NVML
-    can only see more than the allocator holds: less means it measured another GPU);
-  - an intentional OOM (OUT/oom.json, benchmarks/gpu/oom.py) that did not happen, or whose memory stayed allocated.
+    can only see more than the allocator holds: less means it measured another GPU).
 A transformers other than 5.17.x, the GPU machines' version, is a warning: the check ran, but not on that version.
 
 usage: python benchmarks/gpu/check.py OUT
@@ -28,12 +29,9 @@ from kvbench.results import RunFolder
 
 FACTS_STEP = "facts"  # torch, transformers and nvidia-ml-py import
 RUNS = ("sweep", "pressure")  # the run folders gpu_check.sh writes under OUT, each with its OUT/<run>.exit
-OOM_STEP = "oom"
+SELF_CHECK = "check"  # `kvbench check`, its report in OUT/check.json
 EXPECTED_TRANSFORMERS = "5.17."
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-# what may stay allocated after the intentional OOM beyond what was before it (the allocator's rounding, a cached
-# rotary table); a leaked activation of a 128k-token prompt is gigabytes
-RELEASE_SLACK = 256 * 2**20
 GiB = 2**30
 
 
@@ -167,28 +165,20 @@ def cell_problems(cell: dict[str, Any], state: dict[str, Any], records: list[dic
     return problems
 
 
-def check_oom(out: Path, verdict: Verdict) -> None:
-    """The intentional out-of-memory error's row and problems (OUT/oom.json, written by benchmarks/gpu/oom.py)."""
-    status = step_status(out, OOM_STEP)
-    if status:
-        verdict.problems.append(f"{OOM_STEP}: oom.py {status}")
-    path = out / f"{OOM_STEP}.json"
+def check_self(out: Path, verdict: Verdict) -> None:
+    """`kvbench check`'s lines (OUT/check.json): a row each, a problem for each failed one."""
+    status = step_status(out, SELF_CHECK)
+    if status and status != "exited 1":  # exit 1: some check failed, each one said below
+        verdict.problems.append(f"{SELF_CHECK}: kvbench check {status}")
+    path = out / f"{SELF_CHECK}.json"
     if not path.exists():
-        verdict.problems.append(f"{OOM_STEP}: no result ({path} missing)")
+        verdict.problems.append(f"{SELF_CHECK}: no report ({path} missing)")
         return
-    result = json.loads(path.read_text())
-    problems = []
-    if not result["caught"]:
-        problems.append(f"intentional OOM did NOT happen ({result['tokens']} tokens under a {gib(result['cap_bytes'])}"
-                        f" GiB cap)")
-    leaked = result["allocated_after"] - result["allocated_before"]
-    if leaked > RELEASE_SLACK:
-        problems.append(f"memory not released after the OOM: {gib(leaked)} GiB more allocated than before it")
-    verdict.problems.extend(f"{OOM_STEP}: {p}" for p in problems)
-    verdict.rows.append([OOM_STEP, f"full L={result['tokens']}", f"cap {gib(result['cap_bytes'])} GiB",
-                         "oom" if result["caught"] else "ok", "-", "-",
-                         f"{gib(result['allocated_before'])} before, {gib(result['allocated_after'])} after",
-                         "FAIL" if problems else "ok"])
+    for line in json.loads(path.read_text())["checks"]:
+        if line["status"] == "fail":
+            verdict.problems.append(f"{SELF_CHECK}: {line['name']}: {line['detail']}")
+        verdict.rows.append([SELF_CHECK, line["name"], "-", line["status"], "-", "-", "",
+                             "FAIL" if line["status"] == "fail" else "ok"])
 
 
 def check(out: Path) -> Verdict:
@@ -197,9 +187,9 @@ def check(out: Path) -> Verdict:
     status = step_status(out, FACTS_STEP)
     if status:
         verdict.problems.append(f"{FACTS_STEP}: importing torch, transformers and nvidia-ml-py {status}")
+    check_self(out, verdict)
     for run in RUNS:
         check_run(out, run, verdict)
-    check_oom(out, verdict)
     return verdict
 
 
