@@ -64,7 +64,7 @@ class CheckSettings:
     new_tokens: int = 16
     decode_steps: int = 8  # decode tokens a decode-time policy evicts through against its reference
     policies: tuple[str, ...] = CHECKABLE
-    attention: str = "sdpa"  # model.generate's attention implementation, kvbench's reference
+    attention: str = "sdpa"  # model.generate's attention implementation, kvbench's reference (`reference_kernel`)
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.policies if name not in CHECKABLE]
@@ -72,6 +72,14 @@ class CheckSettings:
             raise KvbenchError(f"--policies: no reference for {', '.join(unknown)} (checkable: {', '.join(CHECKABLE)})")
         if not 16 <= self.short <= self.long:
             raise KvbenchError(f"--context {self.long} must be at least the short prompt's {self.short} tokens")
+
+
+def reference_kernel(lm: LoadedModel, asked: str) -> str:
+    """The attention implementation `model.generate` runs with: `auto` is SDPA, or eager where the logits are
+    soft-capped (SDPA cannot cap them; transformers refuses it there)."""
+    if asked != "auto":
+        return asked
+    return "eager" if any(kind.softcap is not None for kind in lm.layer_kinds) else "sdpa"
 
 
 def default_context(device: torch.device) -> int:
@@ -120,8 +128,8 @@ def stock_generate(lm: LoadedModel, prompt: list[int], new_tokens: int, attentio
                    ) -> tuple[list[int], list[torch.Tensor]]:
     """`model.generate`'s greedy tokens (up to kvbench's end-of-sequence tokens, or exactly `new_tokens` without
     `until_eos`) and each step's raw logits, with transformers' own cache and `attention`."""
-    lm.model.set_attn_implementation(attention)
     try:
+        lm.model.set_attn_implementation(attention)
         ids = torch.tensor([prompt], device=lm.device)
         length = {} if until_eos else {"min_new_tokens": new_tokens}
         out = cast(Any, lm.model).generate(

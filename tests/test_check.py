@@ -33,9 +33,13 @@ def failed(results: dict[str, str]) -> list[str]:
     return sorted(name for name, status in results.items() if status == "fail")
 
 
-def test_passes_on_llama_and_a_sliding_model(sharp_llama, gemma3):
-    for lm in (sharp_llama, gemma3):
-        results = statuses(lm)
+def test_passes_on_llama_a_sliding_model_and_a_soft_capped_one(sharp_llama, gemma3):
+    gemma2 = load_model("random:tiny-gemma2", dtype="float32", device="cpu")
+    assert check.reference_kernel(gemma2, "auto") == "eager"  # SDPA cannot cap logits
+    for lm in (sharp_llama, gemma3, gemma2):
+        settings = SETTINGS if lm is not gemma2 else check.CheckSettings(short=64, long=200, new_tokens=6,
+                                                                           decode_steps=4, attention="eager")
+        results = statuses(lm, settings)
         assert failed(results) == [], lm.spec
         assert results["policy.snapkv.long"] == results["memory.counted"] == "pass"
     assert statuses(gemma3)["layers"] == "pass"  # 200 tokens pass its window of 8

@@ -25,26 +25,29 @@ def check(
                                        "(default 16384 on a GPU, 1024 on CPU); the short one has 256."),
     policies: str | None = typer.Option(None, "--policies", help="Comma-separated policies to check against their "
                                         "references (default: snapkv,h2o,tova,knorm,streaming_llm)."),
-    attention: str = typer.Option("sdpa", "--attention", help="model.generate's attention implementation, the "
-                                  "reference for full (sdpa, eager, flash_attention_2, ...)."),
+    attention: str = typer.Option("auto", "--attention", help="model.generate's attention implementation, the "
+                                  "reference for full: sdpa, eager, flash_attention_2, ...; auto: sdpa, or eager "
+                                  "where logits are soft-capped."),
     json_path: Path | None = typer.Option(None, "--json", help="Write the report (versions, device, every "
                                           "number) to this file."),
     seed: int = typer.Option(0, "--seed", help="Seed for random weights."),
 ) -> None:
     """Check kvbench on this model and device: full equals model.generate, policies keep what their references
     keep, memory readings hold, decode speed. Exit 1 if a check fails."""
-    from kvbench.check import CHECKABLE, CheckSettings, default_context, report_dict, run_checks
+    from kvbench.check import CHECKABLE, CheckSettings, default_context, reference_kernel, report_dict, run_checks
     from kvbench.models import load_model, resolve_device
 
     names = tuple(name.strip() for name in policies.split(",") if name.strip()) if policies else CHECKABLE
     long = context or default_context(resolve_device(device))
-    settings = CheckSettings(short=min(256, long), long=long, policies=names, attention=attention)
     started = time.perf_counter()
     lm = load_model(model, dtype=dtype, device=device, seed=seed)
+    settings = CheckSettings(short=min(256, long), long=long, policies=names,
+                             attention=reference_kernel(lm, attention))
     described = lm.describe()
     stdout.print(f"kvbench check: {escape(model)} ({described['architecture']}, {described['layers']} layers, "
                  f"{described['kv_heads']} KV heads x {described['head_dim']}) on {lm.device}, "
-                 f"{described['dtype']}; prompts of {settings.short} and {settings.long} tokens", highlight=False)
+                 f"{described['dtype']}; prompts of {settings.short} and {settings.long} tokens; model.generate "
+                 f"with {settings.attention} attention as the reference", highlight=False)
 
     def report(result) -> None:
         stdout.print(f"  {MARKS[result.status]}  {result.name:<27} {escape(result.detail)}", highlight=False,
