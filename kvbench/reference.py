@@ -29,8 +29,8 @@ class ReferenceAttention:
     summed over every query, and the layer's sliding window. The model's own attention says how a layer attends:
     a `sliding_window` W lets a query see the W positions up to its own, a `softcap` caps the logits
     (cap * tanh(logits / cap)). The layer's output is SDPA's over the mask transformers built (the forward kvbench
-    runs, so both see the same hidden states) unless slots are masked or logits capped: then it is the weights
-    applied to the values."""
+    runs, so both see the same hidden states), over a boolean mask of the kept slots once a policy dropped some,
+    and the model's eager path where logits are soft-capped (SDPA cannot cap them)."""
 
     def __init__(self, tail: int | None = None) -> None:
         self.tail = tail
@@ -46,29 +46,36 @@ class ReferenceAttention:
         layer, group = module.layer_idx, module.num_key_value_groups
         heads, q_len, n = query.shape[1], query.shape[2], key.shape[2]
         self.windows[layer] = sliding_window
-        masked = layer in self.allowed
-        keys_t = repeat_kv(key, group)[0].float().transpose(-1, -2)  # [H, D, n]
+        # a layer masks old slots once a policy dropped some (the prompt's forward sees everything)
+        masked = layer in self.allowed and not bool(self.allowed[layer].all())
+        keys, values = repeat_kv(key, group)[0], repeat_kv(value, group)[0]  # [H, n, D]
+        keys_t = keys.float().transpose(-1, -2)
         tail = q_len if self.tail is None else min(q_len, self.tail)
         received = torch.zeros(heads, n, dtype=torch.float32, device=key.device)
-        rows, outputs = [], []
+        rows, outputs, masks = [], [], []
         chunk = max(1, CHUNK_ELEMENTS // (heads * n))
         for start in range(0, q_len, chunk):
             stop = min(q_len, start + chunk)
+            visible = self._visible(layer, start, stop, q_len, n, sliding_window, group, key.device)
             logits = query[0, :, start:stop].float() @ keys_t * scaling  # [H, c, n]
             if softcap is not None:
                 logits = torch.tanh(logits / softcap) * softcap
-            weights = logits.masked_fill(~self._visible(layer, start, stop, q_len, n, sliding_window, group,
-                                                                key.device),
-                                         float("-inf")).softmax(-1)
+            weights = logits.masked_fill(~visible, float("-inf")).softmax(-1)
             received += weights.sum(dim=1)
             if stop > q_len - tail:
                 rows.append(weights[:, max(0, q_len - tail - start) :])
-            if masked or softcap is not None:
-                outputs.append(weights.to(value.dtype) @ repeat_kv(value, group)[0])
+            if softcap is not None:  # the model's eager path: logits in its dtype, softmax in float32
+                capped = torch.tanh(query[0, :, start:stop] @ keys.transpose(-1, -2) * scaling / softcap) * softcap
+                probs = capped.masked_fill(~visible, float("-inf")).softmax(-1, dtype=torch.float32)
+                outputs.append(probs.to(value.dtype) @ values)
+            elif masked:
+                masks.append(visible.expand(heads, -1, -1))
         # the rules run on the CPU: a long prompt's weights leave the device as their last rows and column sums
         self.weights[layer], self.received[layer] = torch.cat(rows, dim=1)[None].cpu(), received[None].cpu()
         if outputs:
             return torch.cat(outputs, dim=1)[None].transpose(1, 2).contiguous(), None
+        if masks:  # SDPA over the kept slots: the kernel kvbench's own attention runs
+            attention_mask = torch.cat(masks, dim=1)[None]
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
 
