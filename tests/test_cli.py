@@ -27,6 +27,39 @@ def test_policies_lists_every_policy_with_phase_and_params():
         assert name in result.output
 
 
+def test_listings_as_json_and_as_plain_rows_when_piped():
+    policies = json.loads(runner.invoke(app, ["policies", "--json"]).output)
+    snapkv = next(entry for entry in policies if entry["name"] == "snapkv")
+    assert snapkv["parameters"] == {"window": 32, "kernel": 7, "pooling": "max"} and snapkv["phases"] == ["prefill"]
+    tasks = json.loads(runner.invoke(app, ["tasks", "--json"]).output)
+    assert "niah" in {entry["name"] for entry in tasks}
+    plain = runner.invoke(app, ["policies"]).output.splitlines()  # the test runner's output is no terminal
+    assert plain[0].split("\t")[:2] == ["name", "family"]
+    assert any(line.startswith("expected_attention\teviction\t") for line in plain), "a long name is cut"
+
+
+def bracketed(text: str) -> list[str]:
+    import re
+
+    return re.findall(r"\[[^\]]*\]", text or "")
+
+
+def test_every_help_keeps_its_brackets():
+    """Help texts are plain text: `pip install 'kvbench[ray]'` or `[fidelity]` must not be read as markup."""
+    import typer.main
+
+    group = typer.main.get_command(app)
+    checked = 0
+    for name, command in group.commands.items():
+        shown = " ".join(runner.invoke(app, [name, "--help"]).output.split())
+        texts = [command.help or ""] + [getattr(param, "help", None) or "" for param in command.params]
+        for text in texts:
+            for part in bracketed(text):
+                assert " ".join(part.split()) in shown, f"kvbench {name} --help lost {part}"
+                checked += 1
+    assert checked >= 3
+
+
 def test_run_json_records():
     result = runner.invoke(app, [*TINY, "-p", "full", "-p", "h2o", "-b", "64", "-b", "0.5", "--depth", "0.5",
                                  "--json"])

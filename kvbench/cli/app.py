@@ -65,6 +65,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # help texts are plain text: brackets in them (pip install 'kvbench[ray]', [fidelity]) are not markup
+    rich_markup_mode=None,
 )
 PLUGINS = typer.Option(None, "--plugins", help="Folder of extra policy/task files to load.")
 

@@ -105,9 +105,33 @@ def estimate_command(
                      "(weights + KV cache, before activations)", highlight=False, soft_wrap=True)
 
 
+JSON_LISTING = typer.Option(False, "--json", help="Print a JSON list, one object per entry, instead of the table.")
+
+
+def print_listing(title: str, columns: tuple[str, ...], entries: list[dict[str, Any]], as_json: bool) -> None:
+    """`entries` (one dict per row, keyed by `columns`, parameters as a dict) as JSON, as a table on a terminal,
+    or as tab-separated rows, never cut or wrapped, when the output is a pipe or a file (`kvbench policies | grep`)."""
+    if as_json:
+        typer.echo(json.dumps(entries, default=str))
+        return
+
+    def cell(value: Any) -> str:
+        if isinstance(value, dict):
+            return ", ".join(f"{k}={v!r}" for k, v in value.items()) or "-"
+        if isinstance(value, (list, tuple)):
+            return "+".join(map(str, value)) or "-"
+        return "yes" if value is True else "no" if value is False else str(value)
+
+    rows = [tuple(cell(entry[column]) for column in columns) for entry in entries]
+    if stdout.is_terminal:
+        stdout.print(listing(title, tuple(c.replace("_", " ") for c in columns), rows))
+    else:
+        typer.echo("\n".join("\t".join(row) for row in [columns, *rows]))
+
+
 @app.command()
 @user_errors
-def policies(plugins: str | None = PLUGINS) -> None:
+def policies(plugins: str | None = PLUGINS, as_json: bool = JSON_LISTING) -> None:
     """List the policies, their family, phases and parameters.
 
     Every eviction policy also takes `storage:` (a compression policy, e.g. `{quant: {bits: 4}}`) to keep what it
@@ -117,30 +141,29 @@ def policies(plugins: str | None = PLUGINS) -> None:
 
     if plugins:
         load_plugins(plugins)
-    rows: list[tuple[str, ...]] = []
+    entries = []
     for name in POLICIES.names():
         cls = POLICIES.get(name)
-        params = ", ".join(f"{k}={v}" for k, v in cls.params().items() if k != "storage") or "-"
-        rows.append((name, cls.family, "+".join(cls.phases) or "-", "yes" if cls.needs_attention else "no", params,
-                     first_line(cls)))
-    columns = ("name", "family", "phases", "needs attention", "parameters (defaults)", "what it does")
-    stdout.print(listing("policies", columns, rows))
+        entries.append({"name": name, "family": cls.family, "phases": list(cls.phases),
+                        "needs_attention": cls.needs_attention,
+                        "parameters": {k: v for k, v in cls.params().items() if k != "storage"},
+                        "description": first_line(cls)})
+    print_listing("policies", ("name", "family", "phases", "needs_attention", "parameters", "description"), entries,
+                  as_json)
 
 
 @app.command()
 @user_errors
-def tasks(plugins: str | None = PLUGINS) -> None:
+def tasks(plugins: str | None = PLUGINS, as_json: bool = JSON_LISTING) -> None:
     """List the tasks and their parameters."""
     from kvbench.registry import load_plugins
     from kvbench.tasks import TASKS
 
     if plugins:
         load_plugins(plugins)
-    rows: list[tuple[str, ...]] = [
-        (name, "\n".join(f"{k}={v!r}" for k, v in TASKS.get(name).params().items()), first_line(TASKS.get(name)))
-        for name in TASKS.names()
-    ]
-    stdout.print(listing("tasks", ("name", "parameters (defaults)", "what it does"), rows))
+    entries = [{"name": name, "parameters": TASKS.get(name).params(), "description": first_line(TASKS.get(name))}
+               for name in TASKS.names()]
+    print_listing("tasks", ("name", "parameters", "description"), entries, as_json)
 
 
 @app.command(name="lm-eval", add_help_option=False,
