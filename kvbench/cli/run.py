@@ -51,6 +51,8 @@ def run(
     fidelity: bool = typer.Option(False, "--fidelity", help="Run a full cache in lockstep and record KL, top-1 "
                                   "agreement, first divergence and attention recall (about one more decode per step)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON record per sample instead of a table."),
+    reference: bool = typer.Option(True, "--reference/--no-reference", help="Also run `full` on each sample: the "
+                                   "row the policies compare with, as a sweep's summary has it."),
 ) -> None:
     """Run policies on a task and compare quality, speed and cache memory."""
     from kvbench.policies import build_policy
@@ -69,7 +71,8 @@ def run(
         for b in budget
     ]
     routed = policy_params(policy, parse_assignments(param, "--param"))
-    policies = [build_policy(name, routed[name]) for name in dict.fromkeys(policy)]
+    names = list(dict.fromkeys(["full", *policy] if reference else policy))
+    policies = [build_policy(name, routed.get(name, {})) for name in names]
     for pol in policies:  # token budgets can be checked before the model loads; ratios only per prompt
         for setting in settings:
             if pol.phases and isinstance(setting.budget, int):
