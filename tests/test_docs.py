@@ -3,6 +3,7 @@ show validates, and every config in configs/ loads (the policies and tasks it na
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -78,3 +79,76 @@ def test_every_shipped_config_validates(config):
 
 def test_the_docs_show_at_least_one_config():
     assert shown_configs()
+
+
+# --- every kvbench command the docs show ------------------------------------------------------------------------
+# A command runs here when it is read-only, offline and quick; every other one is parsed (its command, options and
+# arguments must exist) and falls under one of these reasons, which the test states.
+RUN_HERE = {"policies", "tasks", "--version", "validate", "estimate"}
+NOT_RUN = {
+    "a run folder a sweep made": {"report", "recommend", "plot", "summarize", "gate", "baseline", "merge"},
+    "a real model (or a GPU, the hub, Ray) for minutes or more": {"run", "sweep", "check", "capacity", "lm-eval"},
+}
+
+
+def shown_commands() -> list[tuple[str, str]]:
+    """(page, command line) for every `kvbench ...` line of the docs' shell blocks: continuations joined, a prompt's
+    `$ ` and a trailing comment dropped."""
+    commands = []
+    for page in PAGES:
+        for body in re.findall(r"```(?:bash|console|sh)\n(.*?)```", page.read_text(), flags=re.S):
+            for line in body.replace("\\\n", " ").splitlines():
+                line = line.strip().removeprefix("$ ")
+                if re.match(r"kvbench( |$)", line):
+                    commands.append((page.name, re.split(r"\s+#\s", line)[0].strip()))
+    return commands
+
+
+def argv_of(command: str) -> list[str]:
+    """The arguments after `kvbench`: a synopsis's optional `[...]` parts dropped, shell variables as a value."""
+    import shlex
+
+    command = re.sub(r"\s\[[^\]]*\]", "", command)
+    command = re.sub(r"\$\{?\w+\}?", "0", command)
+    return shlex.split(command)[1:]
+
+
+def subcommand(argv: list[str]) -> str:
+    return argv[0] if argv else ""
+
+
+@pytest.mark.parametrize(("page", "command"), shown_commands(), ids=[f"{p}:{c[:60]}" for p, c in shown_commands()])
+def test_every_documented_command_parses_or_runs(page, command, monkeypatch):
+    import typer.main
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    argv = argv_of(command)
+    name = subcommand(argv)
+    if name in RUN_HERE:
+        monkeypatch.chdir(ROOT)
+        result = CliRunner().invoke(app, argv)
+        assert result.exit_code == 0, f"{page}: `{command}` exited {result.exit_code}: {result.output[-400:]}"
+        return
+    reason = next((why for why, names in NOT_RUN.items() if name in names), None)
+    assert reason, f"{page}: `{command}`: kvbench {name} is neither run here nor given a reason"
+    if name == "lm-eval":  # lm-eval's own command line: its options are lm-eval's
+        return
+    group = typer.main.get_command(app)
+    command_object = group.commands.get(name)
+    assert command_object is not None, f"{page}: `{command}`: no command '{name}'"
+    command_object.make_context(name, argv[1:])  # a click usage error: an option or argument that does not exist
+
+
+def test_every_gate_command_pairs_a_run_with_its_own_baseline():
+    """A baseline gates runs of the sweep it was frozen from (`kvbench gate` refuses others): the run folder a
+    documented gate command names must be one of that sweep's."""
+    for page, command in shown_commands():
+        argv = argv_of(command)
+        if subcommand(argv) != "gate" or "--baseline" not in argv:
+            continue
+        baseline = ROOT / argv[argv.index("--baseline") + 1]
+        if baseline.exists():
+            name = json.loads(baseline.read_text())["name"]
+            assert Path(argv[1]).name.startswith(name), f"{page}: `{command}` gates a run with {name}'s baseline"
