@@ -152,3 +152,64 @@ def test_every_gate_command_pairs_a_run_with_its_own_baseline():
         if baseline.exists():
             name = json.loads(baseline.read_text())["name"]
             assert Path(argv[1]).name.startswith(name), f"{page}: `{command}` gates a run with {name}'s baseline"
+
+
+# --- tables that read fast --------------------------------------------------------------------------------------
+MAX_CELL = 200  # characters of Markdown source; the detail goes in a paragraph or list below the table
+
+
+def table_rows(page: Path) -> list[tuple[int, list[str]]]:
+    """(line number, cells) of every `|` row outside code fences; cells split on ` | `."""
+    rows, fenced = [], False
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.lstrip().startswith("|"):
+            rows.append((number, [cell.strip() for cell in line.strip().strip("|").split(" | ")]))
+    return rows
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_no_table_cell_is_longer_than_200_characters(page):
+    long = [f"line {number}: {len(cell)} characters: {cell[:60]}..."
+            for number, cells in table_rows(page) for cell in cells if len(cell) > MAX_CELL]
+    assert not long, f"{page.name}: move the detail below the table:\n" + "\n".join(long)
+
+
+def built_in_policies() -> list[str]:
+    """The registered policies kvbench ships (a test's or a plugin's registered in this process left out)."""
+    from kvbench.policies import POLICIES
+
+    return [name for name in POLICIES.names() if POLICIES.get(name).__module__.startswith("kvbench.policies.")]
+
+
+def policy_table(page: Path) -> list[str]:
+    """The first cells of the page's policy table: the one whose header reads `| policy | phases | ...`."""
+    rows = table_rows(page)
+    for index, (number, cells) in enumerate(rows):
+        if cells[:2] == ["policy", "phases"]:
+            names, expected = [], number + 2  # the body starts past the header's |---| line
+            for row_number, row_cells in rows[index + 2:]:
+                if row_number != expected:  # a gap: the table has ended
+                    break
+                names.append(row_cells[0].strip("`"))
+                expected += 1
+            return names
+    return []
+
+
+def test_the_policies_page_has_a_table_row_for_every_registered_policy():
+    listed = policy_table(ROOT / "docs" / "policies.md")
+    assert listed, "policies.md has no `| policy | phases | ...` table"
+    names = built_in_policies()
+    missing = [name for name in names if name not in listed]
+    unknown = [name for name in listed if name not in names]
+    assert not missing and not unknown, f"policies.md's table: no row for {missing}; rows for no policy {unknown}"
+
+
+def test_every_count_of_built_in_policies_the_docs_state_is_the_registry_count():
+    count = len(built_in_policies())
+    stated = [(page.name, int(n)) for page in PAGES for n in re.findall(r"\b(\d+) built-in policies", prose(page))]
+    assert ("policies.md", count) in stated, "policies.md no longer says how many built-in policies there are"
+    wrong = [(name, n) for name, n in stated if n != count]
+    assert not wrong, f"`kvbench policies` lists {count}; the docs say {wrong}"
