@@ -201,7 +201,7 @@ def open_nvml(devices: Devices) -> tuple[Nvml | None, str | None]:
     try:
         return Nvml(cuda), None
     except ImportError:
-        return None, "nvidia-ml-py is not installed (pip install 'kvbench[gpu]')"
+        return None, "nvidia-ml-py is not installed (pip install -e '.[gpu]' in the kvbench checkout)"
     except DeviceUnmeasured as exc:
         return None, str(exc)
     except Exception as exc:  # NVMLError_LibraryNotFound, driver mismatch, ...

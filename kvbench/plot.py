@@ -47,7 +47,7 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise KvbenchError("plotting needs matplotlib: pip install 'kvbench[plot]'") from None
+        raise KvbenchError("plotting needs matplotlib: pip install -e '.[plot]' in the kvbench checkout") from None
     return plt
 
 

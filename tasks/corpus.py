@@ -85,7 +85,8 @@ def _hub_text(name: str) -> str:
     try:
         import datasets
     except ImportError:
-        raise KvbenchError(f"corpus 'hf:{name}' needs the datasets package: pip install 'kvbench[data]'") from None
+        raise KvbenchError(f"corpus 'hf:{name}' needs the datasets package: pip install -e '.[data]' in the "
+                           "kvbench checkout") from None
     repo, config, split = HUB_CORPORA.get(name, (*name.split(":", 1), "test") if ":" in name else (name, None, "test"))
     try:
         rows = datasets.load_dataset(repo, config, split=split)

@@ -117,7 +117,8 @@ def bridge() -> ModuleType:
     try:
         import kvbench.lmeval
     except ImportError:
-        raise KvbenchError("task 'lm_eval' needs lm-evaluation-harness: pip install 'kvbench[lmeval]'") from None
+        raise KvbenchError("task 'lm_eval' needs lm-evaluation-harness: pip install -e '.[lmeval]' in the kvbench "
+                           "checkout") from None
     return kvbench.lmeval
 
 

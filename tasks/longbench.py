@@ -206,7 +206,8 @@ def _hub_rows(hub: str, name: str) -> list[dict[str, Any]]:
         import datasets
     except ImportError:
         raise KvbenchError("task 'longbench' without data_dir loads the hub through `datasets`: "
-                           "pip install 'kvbench[data]', or set data_dir to LongBench's JSONL files") from None
+                           "pip install -e '.[data]' in the kvbench checkout, or set data_dir to LongBench's JSONL "
+                           "files") from None
     try:
         rows = list(datasets.load_dataset(hub, name, split="test"))
     except Exception as exc:  # offline, renamed: one line that says which

@@ -27,7 +27,8 @@ def _require(module: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise KvbenchError(f"LongBench metrics need '{module}': pip install 'kvbench[longbench]'") from None
+        raise KvbenchError(f"LongBench metrics need '{module}': pip install -e '.[longbench]' in the kvbench "
+                           "checkout") from None
 
 
 def normalize_answer(text: str) -> str:

@@ -45,7 +45,7 @@ def bracketed(text: str) -> list[str]:
 
 
 def test_every_help_keeps_its_brackets():
-    """Help texts are plain text: `pip install 'kvbench[ray]'` or `[fidelity]` must not be read as markup."""
+    """Help texts are plain text: `pip install -e '.[ray]'` or `[fidelity]` must not be read as markup."""
     import typer.main
 
     group = typer.main.get_command(app)
@@ -144,10 +144,10 @@ def test_the_prepared_gpu_configs_stay_valid():
 
 
 def test_error_text_is_printed_as_is(monkeypatch):
-    """An error that names an extra (`kvbench[data]`) must not lose it to rich's markup."""
+    """An error that names an extra (`.[data]`) must not lose it to rich's markup."""
     import sys
 
     monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
     result = runner.invoke(app, ["run", "-m", "random:tiny-llama", "-t", "perplexity", "--task-param",
                                  "corpus=hf:nothing-such", "-c", "300"])
-    assert result.exit_code == 2 and "pip install 'kvbench[data]'" in result.output
+    assert result.exit_code == 2 and "pip install -e '.[data]' in the kvbench checkout" in result.output

@@ -281,7 +281,7 @@ def test_a_model_placed_with_device_map_lists_every_device_it_is_on():
 
 def test_without_nvml_or_gpu_the_record_says_what_it_could_not_measure(tiny_llama, monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
-    assert open_nvml(CUDA0) == (None, "nvidia-ml-py is not installed (pip install 'kvbench[gpu]')")
+    assert open_nvml(CUDA0) == (None, "nvidia-ml-py is not installed (pip install -e '.[gpu]' in the kvbench checkout)")
     assert open_nvml(torch.device("cpu")) == (None, "no GPU")
     assert tiny_llama.devices == [torch.device("cpu")]
     task = build_task("niah", {"depths": [0.5]})

@@ -179,6 +179,7 @@ def lm_eval_command(ctx: typer.Context) -> None:
 
         import kvbench.lmeval  # noqa: F401  (registers the model)
     except ImportError:
-        raise KvbenchError("lm-evaluation-harness is not installed: pip install 'kvbench[lmeval]'") from None
+        raise KvbenchError("lm-evaluation-harness is not installed: pip install -e '.[lmeval]' in the kvbench "
+                           "checkout") from None
     sys.argv = ["lm-eval", *ctx.args]
     cli_evaluate()
