@@ -34,6 +34,7 @@ SHAPES: dict[str, Shape] = {
     "llama-2-7b": Shape(32, 32, 128, 6_738_415_616),
     "llama-2-13b": Shape(40, 40, 128, 13_015_864_320),
     "llama-2-70b": Shape(80, 8, 128, 68_976_648_192),
+    "llama-3.2-1b": Shape(16, 8, 64, 1_235_814_400),
     "llama-3-8b": Shape(32, 8, 128, 8_030_261_248),
     "llama-3.1-8b": Shape(32, 8, 128, 8_030_261_248),
     "llama-3-70b": Shape(80, 8, 128, 70_553_706_496),
@@ -43,6 +44,17 @@ SHAPES: dict[str, Shape] = {
     "smollm2-135m": Shape(30, 3, 64, 134_515_008),
     "smollm2-1.7b": Shape(24, 32, 64, 1_711_376_384),
 }
+
+
+# what a hub id's name adds to its base model's: Llama-3.1-8B-Instruct is llama-3.1-8b
+_VARIANT = re.compile(r"(-(instruct|chat|hf|it|base|v\d+(\.\d+)*))+$")
+
+
+def builtin_shape(model: str) -> Shape | None:
+    """The built-in shape a hub id names (`meta-llama/Llama-3.1-8B-Instruct` -> `llama-3.1-8b`), without the
+    network; None when it names none."""
+    name = model.rsplit("/", 1)[-1].lower()
+    return SHAPES.get(name) or SHAPES.get(_VARIANT.sub("", name))
 
 
 def model_shape(model: str) -> Shape:

@@ -470,12 +470,15 @@ def _failure(cell: Cell, exc: Exception) -> dict[str, Any]:
             "message": message.splitlines()[0] if message else type(exc).__name__, "finished": now()}
 
 
+# assumed throughput of `estimate_seconds`: one large GPU; 2 CPU cores (the ~450 prompt tokens/s of 135M parameters)
+FLOPS = {"cuda": 2e14, "cpu": 1.2e11}
+
+
 def estimate_seconds(cells: list[Cell], parameters: int, device: torch.device, share: bool) -> float:
     """A rough wall-time guess for one model's cells from its size: a prompt token costs 2 x parameters FLOPs at an
     assumed throughput (1.2e11 FLOP/s on 2 CPU cores: the ~450 prompt tokens/s measured for 135M parameters);
     a decoded token, bound by memory and latency, about 40 times more (~90 ms there)."""
-    flops = 2e14 if device.type == "cuda" else 1.2e11
-    return token_work(cells, share) * 2 * parameters / flops
+    return token_work(cells, share) * 2 * parameters / FLOPS[device.type]
 
 
 def token_work(cells: list[Cell], share: bool) -> float:

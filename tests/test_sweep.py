@@ -465,3 +465,19 @@ def test_a_sweep_where_no_cell_succeeded_exits_1(tmp_path, monkeypatch):
     config = {**TINY, "policies": ["full", "window"], "budgets": [32], "samples": 1}
     result = runner.invoke(app, ["sweep", str(write_config(tmp_path, config)), "-o", str(tmp_path / "run"), "-q"])
     assert result.exit_code == 1 and "sweep failed: 2 oom" in result.output
+
+
+def test_a_dry_run_needs_neither_the_device_nor_the_network(monkeypatch):
+    """A config for a GPU and a hub model expands and estimates on a machine with neither: the model's size comes
+    from its built-in shape, LongBench's sample count from its smallest dataset's rows."""
+    import torch
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = CliRunner().invoke(app, ["sweep", str(ROOT / "configs" / "llama7b.yaml"), "--dry-run"])
+    printed = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    assert "1392 cells" in printed and "estimated time ~" in printed and "on cuda" in printed

@@ -12,6 +12,8 @@ from kvbench.cli.app import PLUGINS, app, progress_bar, stderr, stdout, user_err
 from kvbench.errors import KvbenchError
 
 if TYPE_CHECKING:
+    import torch
+
     from kvbench.sweep import Progress
 
 
@@ -113,24 +115,46 @@ def _check_executor(executor: str, **ray_options: object) -> bool:
 
 
 def _dry_run(path: str, cfg, cells, folder, share: bool, workers: int | None) -> None:
-    """The grid's size and a rough time: summed, or on `workers` Ray workers taking the longest unit first."""
-    from kvbench.models import count_parameters, resolve_device
-    from kvbench.sweep import estimate_seconds, wall_seconds, work_units
+    """The grid's size and a rough time: summed, or on `workers` Ray workers taking the longest unit first. Runs
+    nothing and needs neither the model's device nor the network: a model's size comes from its local config or a
+    built-in shape, and what cannot be known is said."""
+    from kvbench.estimate import builtin_shape
+    from kvbench.models import count_parameters
+    from kvbench.sweep import FLOPS, estimate_seconds, wall_seconds, work_units
 
     done = folder.done() if folder.manifest() else set()
-    sizes = {(model.id, model.dtype): (count_parameters(model.id), resolve_device(model.device))
-             for model in cfg.model_grid()}
+    sizes, unknown = {}, []
+    for model in cfg.model_grid():
+        shape = builtin_shape(model.id)
+        parameters = count_parameters(model.id) or (shape.parameters if shape else None)
+        if parameters is None:
+            unknown.append(model.id)
+        sizes[model.id, model.dtype] = parameters, planned_device(model.device)
     units = work_units(cells, share)
-    if any(parameters is None for parameters, _ in sizes.values()):
-        estimate = "unknown"
+    if unknown:
+        estimate = f"unknown: no local config or built-in shape for {', '.join(unknown)}"
     else:
         seconds = [estimate_seconds(unit, *sizes[unit[0].model], share) for unit in units]
         total = sum(seconds) if workers is None else wall_seconds(seconds, workers)
         estimate = f"~{total / 60:.1f} min" + ("" if workers is None else f" on {workers} Ray workers")
+    devices = sorted({device.type for _, device in sizes.values()})
+    assumed = ", ".join(f"{FLOPS[kind]:.1e} FLOP/s on {kind}" for kind in devices)
     units_note = "" if workers is None else f" in {len(units)} units of work"
     stdout.print(f"{path}: {len(cells)} cells, {len({c.group for c in cells})} sample groups{units_note}, {len(done)} "
-                 f"samples already in {folder.path}; estimated time {estimate} (a rough guess from model size: 2 x "
-                 "parameters FLOPs per token)", highlight=False)
+                 f"samples already in {folder.path}; estimated time {estimate} (a rough guess: 2 x parameters FLOPs "
+                 f"per prompt token, 40 times that per decoded token, at {assumed})", highlight=False)
+
+
+def planned_device(device: str) -> torch.device:
+    """The device a config plans for, whether or not this machine has it (a dry run plans, it does not run)."""
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise KvbenchError(f"unknown device '{device}' (use auto, cpu, cuda or cuda:N)") from None
 
 
 def _run_locally(cfg, cells, first_model, folder, shard_spec, force: bool, quiet: bool, share: bool,
