@@ -7,7 +7,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from kvbench.attention import queries_per_chunk
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Policy, protect, register
+from kvbench.policies.base import BatchLimit, Policy, protect, register
 
 
 @dataclass
@@ -61,6 +61,13 @@ class ExpectedAttention(Policy):
     @property
     def evicts_during_decode(self) -> bool:
         return self.decode
+
+    def batch_limits(self) -> list[BatchLimit]:
+        if not self.decode:
+            return []
+        # one ring for the batch: its rows must remember their prompts' last queries alike
+        return [BatchLimit("equal", "policy 'expected_attention' with decode: true keeps one ring of recent queries "
+                                    "for a batch's rows")]
 
     def check_budget(self, budget: int) -> None:
         super().check_budget(budget)

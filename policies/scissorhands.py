@@ -47,6 +47,10 @@ class Scissorhands(Policy):
             positions = layer.live_positions()
             visible = visible & window_visible(positions, positions[..., n - count :], layer.kind.window)
             seen_by = visible.sum(dim=-1)
+        padding = layer.padding()
+        if padding is not None:  # a batch's padding: no entry to see, and a padding query gives no verdict
+            visible = visible & ~padding[:, :, None, :] & ~padding[:, :, n - count :, None]
+            seen_by = visible.sum(dim=-1)
         unimportant = (weights < 1.0 / seen_by[..., None].to(weights.dtype)) & visible
         columns = (torch.arange(layer.seen - count, layer.seen, device=key.device)) % self.history
         ring[..., columns] = unimportant.transpose(-1, -2)
