@@ -33,7 +33,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvbench.attention import FULL, LayerKind
 from kvbench.errors import KvbenchError
 from kvbench.measure import synchronize
-from kvbench.rows import RowAccounts, RowView
+from kvbench.rows import RowAccounts, RowView, rows_of
 
 if TYPE_CHECKING:
     from kvbench.models import ModelInternals
@@ -141,6 +141,23 @@ class LayerKV(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         return self.length
+
+    def select_rows(self, owner: KVCache, rows: torch.Tensor, width: int, seen: int) -> LayerKV:
+        """A copy of this layer's `rows` only, for `owner` (see `KVCache.select_rows`): `width` slots, each row's
+        entries last in slot order (a prompt's, still in order, stay in order) behind its padding."""
+        twin = copy.copy(self)
+        twin._owner = weakref.ref(owner)
+        padding = self.padding()
+        held = (~padding if padding is not None else torch.ones_like(self.live_positions(), dtype=torch.bool))[rows]
+        order = torch.sort(held.to(torch.int8), dim=-1, stable=True).indices[..., self.length - width :]
+        twin.keys, twin.values = (_take(buffer[rows, :, : self.length], order) for buffer in (self.keys, self.values))
+        twin.positions = _take(self.positions[rows, :, : self.length], order)
+        twin.slot_stats = {name: _take(stat[rows, :, : self.length], order) for name, stat in self.slot_stats.items()}
+        if PADDING in twin.slot_stats and int(held.sum(dim=-1).min()) == width:  # none of these rows is padded
+            del twin.slot_stats[PADDING]
+        twin.layer_stats = {name: rows_of(value, rows) for name, value in self.layer_stats.items()}
+        twin.length, twin.seen, twin.borrowed = width, seen, False
+        return twin
 
     def copy_from(self, other: LayerKV, stats: list[str]) -> None:
         """Hold a copy of `other`'s entries and of those of its per-slot statistics named in `stats`."""
@@ -516,13 +533,14 @@ class KVCache(Cache):
         full copies); compressed-storage layers encode a copy. Call `own_entries` after compressing."""
         if self.rows is not None and shared.rows is None:
             raise ValueError("a batch adopts a shared prefill of the same rows")
+        stats = [*self.policy.state_keys(), PADDING]  # a batch's padding marks come along
         for mine, theirs in zip(self.layers, shared.layers, strict=True):
             if type(mine) is LayerKV:
-                mine.borrow(theirs, stats=self.policy.state_keys())
+                mine.borrow(theirs, stats=stats)
                 if self.rows is not None and shared.rows is not None:
                     self.rows.adopted(mine.layer_idx, shared.rows)
             else:
-                mine.copy_from(theirs, stats=self.policy.state_keys())
+                mine.copy_from(theirs, stats=stats)
 
     def own_entries(self) -> None:
         """Copy what compression left borrowed (a layer it did not shrink) into buffers of this cache's own."""
@@ -651,6 +669,32 @@ class KVCache(Cache):
         layer.retain(keep)
         rows.count_evictions(due, evicted)
         rows.kept(self, layer.layer_idx, due, keep.sum(dim=-1).cpu().numpy())
+
+    def select_rows(self, rows: list[int]) -> KVCache:
+        """A copy of this batch's `rows` only (a shared prefill's cache, as fed), as a batch of them alone holds
+        it: their entries, re-padded to the longest of them (one row: no padding, no accounts but its own), and
+        their accounts. A cell that runs only some of a shared prefill's rows together starts from it."""
+        accounts = self.rows
+        assert accounts is not None, "select_rows() selects rows of a batch"
+        fed = [self.layers[0].seen - self.row_padding[row] for row in rows]  # each row's own tokens
+        seen = max(fed)
+        padding = [seen - tokens for tokens in fed]
+        twin = copy.copy(self)
+        twin.batch_heads_dim = (len(rows), *self.batch_heads_dim[1:])
+        twin.row_padding, twin.max_padding = padding, max(padding)
+        twin.left_padding = torch.tensor(padding) if max(padding) else None
+        twin.rows = accounts.select(rows, padding) if len(rows) > 1 else None
+        twin.observe_seconds = dict(self.observe_seconds)
+        index = torch.tensor(rows, device=self.layers[0].device)
+        widths = accounts.held[:, rows].max(axis=(1, 2))
+        assert all(layer.is_initialized for layer in self.layers), "select_rows() selects from a prompt fed"
+        twin.layers = [layer.select_rows(twin, index, int(width), seen)
+                       for layer, width in zip(self.layers, widths, strict=True)]
+        if twin.rows is None:  # one row: its own counters, as its unbatched cache keeps them
+            twin.peak_bytes = int(accounts.peak[rows[0]])
+            for layer in twin.layers:
+                layer.max_held = int(accounts.max_held[layer.layer_idx, rows[0]])
+        return twin
 
     def row_stats(self, row: int) -> CacheStats:
         """What an unbatched cache of row `row` would report (`stats` of a batch counts the whole rectangle). A

@@ -11,6 +11,7 @@ counts too (`KVCache.compress`), so the device is never asked for them: host int
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
@@ -101,6 +102,17 @@ class RowAccounts:
     def count_evictions(self, rows: np.ndarray, evicted: np.ndarray) -> None:
         self.evictions += np.where(rows, evicted, 0)
 
+    def select(self, rows: list[int], padding: list[int]) -> RowAccounts:
+        """The accounts of `rows` only, now left-padded by `padding`."""
+        twin = copy.copy(self)
+        for name in ("held", "capacity", "borrowed", "max_held"):
+            setattr(twin, name, getattr(self, name)[:, rows].copy())
+        for name in ("growth", "headroom", "peak", "evictions"):
+            setattr(twin, name, getattr(self, name)[rows].copy())
+        twin.padding = np.array(padding, dtype=np.int64)
+        twin.slot_bytes = self.slot_bytes.copy()
+        return twin
+
     # --- what a record reads -----------------------------------------------------------------------------
     def physical(self, row: int) -> int:
         """Bytes of the row's own buffers (a shared prefill's, read in place, are not its own)."""
@@ -160,7 +172,7 @@ class RowView:
         self.dtype, self.heads_share_positions = layer.dtype, layer.heads_share_positions
         self.length = layer.length - start
         self.seen = layer.seen - start  # before any eviction, the row's tokens are its slots
-        self.layer_stats = {name: _row_of(value, row) for name, value in layer.layer_stats.items()}
+        self.layer_stats = {name: rows_of(value, slice(row, row + 1)) for name, value in layer.layer_stats.items()}
 
     @property
     def owner(self) -> KVCache:
@@ -200,11 +212,11 @@ class RowView:
         return self._rows(self._layer.slot_stat(name, width, dtype))
 
 
-def _row_of(value: Any, row: int) -> Any:
-    """`value` (a per-layer statistic: a tensor `[rows, ...]`, or a dataclass of them) for one row."""
+def rows_of(value: Any, rows: slice | torch.Tensor) -> Any:
+    """`value` (a per-layer statistic: a tensor `[rows, ...]`, or a dataclass of them) for some rows only."""
     if isinstance(value, torch.Tensor):
-        return value[row : row + 1]
+        return value[rows]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{f.name: _row_of(getattr(value, f.name), row)
+        return dataclasses.replace(value, **{f.name: rows_of(getattr(value, f.name), rows)
                                              for f in dataclasses.fields(value) if f.init})
     return value

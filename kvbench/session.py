@@ -102,6 +102,14 @@ class SharedPrefill:
     wanted: Counter[str] = dataclasses.field(default_factory=Counter)
     compressed: dict[str, tuple[Policy, KVCache, float]] = dataclasses.field(default_factory=dict)
 
+    def select(self, rows: list[int], users: list[tuple[Policy, RunSettings]] = ()) -> SharedPrefill:
+        """The prefill of a batch's `rows` only (in that order), for cells that run those rows together; `users`
+        are their (policy, settings), as `shared_prefill` takes them."""
+        cache = self.cache.select_rows(rows)
+        prompt_tokens = cache.layers[0].seen - cache.row_padding[0]
+        return SharedPrefill(cache, self.logits[rows], self.seconds, self.memory,
+                             wanted_compressions(users, prompt_tokens))
+
     def seconds_for(self, policy: Policy) -> float:
         """The forward's time without the other policies' statistics: what `policy` alone would have spent."""
         spent = self.cache.observe_seconds
@@ -679,11 +687,18 @@ def shared_prefill(lm: LoadedModel, ids: list[int] | list[list[int]], observers:
                       observers=observers, left_padding=None if batch is None else batch[1])
     with session:
         session.prefill(ids if batch is None else batch[0])
-    wanted: Counter[str] = Counter()
-    for policy, setting in zip(observers, settings or [], strict=False):
-        with contextlib.suppress(KvbenchError):  # a cell that cannot run this budget fails on its own
-            wanted[compression_key(policy, policy_budget(policy, setting, len(prompts[0]), chunked=False))] += 1
+    wanted = wanted_compressions(list(zip(observers, settings or [], strict=False)), len(prompts[0]))
     return SharedPrefill(session.cache, session.logits, session.prefill_s, session.memory, wanted)
+
+
+def wanted_compressions(users: Sequence[tuple[Policy, RunSettings]], prompt_tokens: int) -> Counter[str]:
+    """How many of the cells that adopt a shared prefill (each its policy and settings) compress it each way: the
+    first of those that compress alike keeps its result for the others to copy."""
+    wanted: Counter[str] = Counter()
+    for policy, setting in users:
+        with contextlib.suppress(KvbenchError):  # a cell that cannot run this budget fails on its own
+            wanted[compression_key(policy, policy_budget(policy, setting, prompt_tokens, chunked=False))] += 1
+    return wanted
 
 
 def _cut(text: str, stop: tuple[str, ...]) -> str:

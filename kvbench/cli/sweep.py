@@ -34,6 +34,9 @@ def sweep(
     shard_spec: str | None = typer.Option(None, "--shard", help="Run the i-th of N deterministic slices: 0/4."),
     share: bool = typer.Option(True, "--share/--no-share", help="Share one prompt forward among the cells of a "
                                "sample (default), or run every cell alone."),
+    batch_size: int | None = typer.Option(None, "--batch-size", help="Samples of a cell decoded together, "
+                                          "left-padded (default: the config's batch_size, 1); records are the same, "
+                                          "only faster."),
     retry_failed: bool = typer.Option(False, "--retry-failed", help="Run again the cells recorded as error/oom."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar (for CI logs)."),
     trace: bool = typer.Option(False, "--trace", help="Save each sample's memory time series (NVML on a GPU, "
@@ -62,6 +65,10 @@ def sweep(
     if plugins:
         load_plugins(plugins)
     cfg = load_config(config, overrides)
+    if batch_size is not None:
+        if batch_size < 1:
+            raise KvbenchError(f"--batch-size {batch_size}: a batch holds at least 1 sample")
+        cfg = cfg.model_copy(update={"batch_size": batch_size})
     cells = shard(expand(cfg), shard_spec)
     folder = RunFolder(output or cfg.output or _default_output(cfg.name, shard_spec))
     if dry_run:
