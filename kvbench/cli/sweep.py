@@ -74,34 +74,39 @@ def sweep(
     if dry_run:
         _dry_run(config, cfg, cells, folder, share, workers if on_ray else None)
         return
-    previous = folder.manifest()
-    finished = finished_cells(folder, retry_failed)
-    pending = [c for c in cells if c.id not in finished]
-    if previous and previous["config_hash"] == cfg.result_hash() and not pending:
-        completed = True  # nothing left to run: no need to load a model
-    elif on_ray:
-        completed = _run_on_ray(cfg, cells, (pending or cells)[0].model, folder, shard_spec, force, quiet, share,
-                                retry_failed, trace, [*([plugins] if plugins else []), *cfg.plugins], address,
-                                workers, gpus_per_worker, verbose)
-    else:
-        completed = _run_locally(cfg, cells, (pending or cells)[0].model, folder, shard_spec, force, quiet, share,
-                                 retry_failed, trace)
-    frame = summarize(folder.path)
-    if not quiet and not frame.empty:
-        from kvbench.summary import model_facets
-        from kvbench.tables import sweep_table
+    try:
+        if folder.path.is_dir():  # a sweep already writing it stops this one before a model loads
+            folder.lock()  # (a new folder is locked as it is made, once the model loaded: nothing half-written)
+        previous = folder.manifest()
+        finished = finished_cells(folder, retry_failed)
+        pending = [c for c in cells if c.id not in finished]
+        if previous and previous["config_hash"] == cfg.result_hash() and not pending:
+            completed = True  # nothing left to run: no need to load a model
+        elif on_ray:
+            completed = _run_on_ray(cfg, cells, (pending or cells)[0].model, folder, shard_spec, force, quiet, share,
+                                    retry_failed, trace, [*([plugins] if plugins else []), *cfg.plugins], address,
+                                    workers, gpus_per_worker, verbose)
+        else:
+            completed = _run_locally(cfg, cells, (pending or cells)[0].model, folder, shard_spec, force, quiet, share,
+                                     retry_failed, trace)
+        frame = summarize(folder.path)
+        if not quiet and not frame.empty:
+            from kvbench.summary import model_facets
+            from kvbench.tables import sweep_table
 
-        for facet, rows in model_facets(frame):  # a table per model and dtype, when the grid has several
-            stdout.print(sweep_table(rows, f"{cfg.name}, {facet}" if facet else cfg.name))
-    stdout.print(f"run folder: {folder.path} (summary.md, summary.csv, records.jsonl)", highlight=False)
-    if not completed:
-        stderr.print("interrupted: run the same command again to resume")
-        raise typer.Exit(130)
-    counts, failed = outcome(folder, cells)
-    if failed:  # a CI job around the sweep must not pass
-        stderr.print("sweep failed: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
-                     + " (a cell in error, or none succeeded; --retry-failed runs them again)", highlight=False)
-        raise typer.Exit(1)
+            for facet, rows in model_facets(frame):  # a table per model and dtype, when the grid has several
+                stdout.print(sweep_table(rows, f"{cfg.name}, {facet}" if facet else cfg.name))
+        stdout.print(f"run folder: {folder.path} (summary.md, summary.csv, records.jsonl)", highlight=False)
+        if not completed:
+            stderr.print("interrupted: run the same command again to resume")
+            raise typer.Exit(130)
+        counts, failed = outcome(folder, cells)
+        if failed:  # a CI job around the sweep must not pass
+            stderr.print("sweep failed: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+                         + " (a cell in error, or none succeeded; --retry-failed runs them again)", highlight=False)
+            raise typer.Exit(1)
+    finally:
+        folder.release()  # the run folder's write lock, for the next sweep (in this process too)
 
 
 def _check_executor(executor: str, **ray_options: object) -> bool:
