@@ -610,7 +610,7 @@ class KVCache(Cache):
             keep = torch.where(due_rows, chosen & real, real)
             layer.retain(keep)
             counts = keep.sum(dim=-1).cpu().numpy()
-            rows.count_evictions(due, held.sum(axis=1) - counts.sum(axis=1))
+            self.evictions += rows.count_evictions(due, held.sum(axis=1) - counts.sum(axis=1))
             rows.kept(self, layer.layer_idx, due, counts)
             return
         scores = self.policy.score(layer, budget)
@@ -634,7 +634,7 @@ class KVCache(Cache):
             rank = scores.argsort(dim=-1, descending=True).argsort(dim=-1)
             layer.retain(rank < torch.from_numpy(target).to(layer.device)[..., None])
         # an unbatched cache counts the slots it evicts: its fullest head's excess, in every head
-        rows.count_evictions(due, (lengths - budget) * held.shape[1])
+        self.evictions += rows.count_evictions(due, (lengths - budget) * held.shape[1])
         rows.kept(self, layer.layer_idx, due, target)
 
     def _compress_each_row(self, layer: LayerKV, budget: int, due: np.ndarray) -> None:
@@ -667,7 +667,7 @@ class KVCache(Cache):
             keep[row, :, start:] = chosen[0]
         layer.heads_share_positions = False
         layer.retain(keep)
-        rows.count_evictions(due, evicted)
+        self.evictions += rows.count_evictions(due, evicted)
         rows.kept(self, layer.layer_idx, due, keep.sum(dim=-1).cpu().numpy())
 
     def select_rows(self, rows: list[int]) -> KVCache:

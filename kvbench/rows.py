@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -61,7 +61,7 @@ class RowAccounts:
         real = self.real_tokens(seen, new)
         end = self.lengths(layer) + real
         grows = (real > 0) & ((end > self.capacity[layer]) | self.borrowed[layer])
-        for row in np.flatnonzero(grows):
+        for row in map(int, np.flatnonzero(grows)):
             self._reallocate(cache, layer, row, int(end[row]))
         self.held[layer] += real[:, None]
         self.max_held[layer] = np.maximum(self.max_held[layer], end)
@@ -72,7 +72,7 @@ class RowAccounts:
         that size shrinks to it."""
         self.held[layer][rows] = held[rows]
         lengths = self.lengths(layer)
-        for row in np.flatnonzero(rows):
+        for row in map(int, np.flatnonzero(rows)):
             target = self._capacity(cache, layer, row, int(lengths[row]))
             if self.borrowed[layer, row] or self.capacity[layer, row] >= 2 * target:
                 self._set_capacity(layer, row, target)
@@ -88,7 +88,7 @@ class RowAccounts:
         """The `rows` (default every row) copy what they still read of a shared prefill into buffers of their own."""
         mine = self.borrowed[layer] if rows is None else self.borrowed[layer] & rows
         lengths = self.lengths(layer)
-        for row in np.flatnonzero(mine):
+        for row in map(int, np.flatnonzero(mine)):
             self._reallocate(cache, layer, row, int(lengths[row]))
 
     def adopted(self, layer: int, shared: RowAccounts) -> None:
@@ -99,8 +99,11 @@ class RowAccounts:
         self.slot_bytes[layer] = shared.slot_bytes[layer]
         self.borrowed[layer] = True
 
-    def count_evictions(self, rows: np.ndarray, evicted: np.ndarray) -> None:
-        self.evictions += np.where(rows, evicted, 0)
+    def count_evictions(self, rows: np.ndarray, evicted: np.ndarray) -> int:
+        """Add what the `rows` (a mask) evicted; returns the sum (the whole batch's count)."""
+        counted = np.where(rows, evicted, 0)
+        self.evictions += counted
+        return int(counted.sum())
 
     def select(self, rows: list[int], padding: list[int]) -> RowAccounts:
         """The accounts of `rows` only, now left-padded by `padding`."""
@@ -122,12 +125,13 @@ class RowAccounts:
         """The row's `CacheStats`, as an unbatched cache of it reports them."""
         from kvbench.cache import CacheStats
 
-        layers = [i for i, layer in enumerate(cache.layers) if layer.is_initialized]
+        kv_layers = cast("list[LayerKV]", cache.layers)
+        layers = [i for i, layer in enumerate(kv_layers) if layer.is_initialized]
         if not layers:
             return CacheStats(0, 0, 0, 0, 0.0, 0, 0, 0)
         heads, head_dim = cache.batch_heads_dim[1:]
-        seen = max(0, cache.layers[layers[0]].seen - int(self.padding[row]))
-        full_slot = 2 * heads * head_dim * cache.layers[layers[0]].dtype.itemsize
+        seen = max(0, kv_layers[layers[0]].seen - int(self.padding[row]))
+        full_slot = 2 * heads * head_dim * kv_layers[layers[0]].dtype.itemsize
         window = [cache.kinds[i].window for i in layers]
         full_entries = sum(seen if w is None else min(seen, w - 1) for w in window)
         held = self.held[layers, row]  # [layers, heads]
@@ -178,7 +182,8 @@ class RowView:
     def owner(self) -> KVCache:
         return self._layer.owner
 
-    def _rows(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _rows(self, tensor: torch.Tensor | None) -> torch.Tensor:
+        assert tensor is not None, "a view of a layer that holds entries"
         return tensor[self._row : self._row + 1, :, self._start :]
 
     @property
@@ -216,6 +221,8 @@ def rows_of(value: Any, rows: slice | torch.Tensor) -> Any:
     """`value` (a per-layer statistic: a tensor `[rows, ...]`, or a dataclass of them) for some rows only."""
     if isinstance(value, torch.Tensor):
         return value[rows]
+    if isinstance(value, np.ndarray):  # per-row counters kept on the host
+        return value[rows if isinstance(rows, slice) else rows.cpu().numpy()]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.replace(value, **{f.name: rows_of(getattr(value, f.name), rows)
                                              for f in dataclasses.fields(value) if f.init})

@@ -391,7 +391,7 @@ def run_group(lm: LoadedModel, cells: list[Cell], done: set[tuple[str, str]], ou
             outcomes.cell(_failure(cell, exc), str(exc) if index == 0 else None)  # told once for the group
         return True
     started = {cell.id: time.perf_counter() for cell in cells}
-    for batch in sample_batches(lm, samples, batch_size, first["question"]):
+    for batch in sample_batches(samples, batch_size):
         todo = {c.id: [s for s in batch if (c.id, s.id) not in done] for c in cells if c.id not in failed}
         runs = {c.id: row_batches(lm, task, c, todo[c.id]) for c in cells if todo.get(c.id)}
         prefills = None
@@ -428,13 +428,10 @@ def run_group(lm: LoadedModel, cells: list[Cell], done: set[tuple[str, str]], ou
     return True
 
 
-def sample_batches(lm: LoadedModel, samples: list[Sample], batch_size: int, question: str) -> list[list[Sample]]:
-    """A sample group's samples `batch_size` at a time, those of like prompt length together (a stable sort): a
-    batch is left-padded to its longest prompt, and rows of one length batch under every policy."""
-    if batch_size == 1:
-        return [[sample] for sample in samples]
-    ordered = sorted(samples, key=lambda sample: _lengths(lm, sample, question))
-    return [ordered[start : start + batch_size] for start in range(0, len(ordered), batch_size)]
+def sample_batches(samples: list[Sample], batch_size: int) -> list[list[Sample]]:
+    """A sample group's samples `batch_size` at a time, in their order: a cell that fails at a sample has then
+    recorded the samples before it, as at batch 1."""
+    return [samples[start : start + batch_size] for start in range(0, len(samples), batch_size)]
 
 
 def row_batches(lm: LoadedModel, task: Task, cell: Cell, samples: list[Sample]) -> list[list[Sample]]:
@@ -502,11 +499,6 @@ def _policy_label(cell: Cell) -> str:
     policy = cell.description["policy"]
     params = ",".join(f"{k}={v}" for k, v in policy["params"].items())
     return f"{policy['name']}{f'({params})' if params else ''}"
-
-
-def _lengths(lm: LoadedModel, sample: Sample, question: str) -> tuple[int, int]:
-    context, asked = encode_prompt(lm.tokenizer, sample)
-    return (len(asked), len(context)) if question == "agnostic" else (0, len(context) + len(asked))
 
 
 def _run_rows(lm: LoadedModel, task: Task, cell: Cell, rows: list[Sample], shared: SharedPrefill | None,

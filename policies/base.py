@@ -302,8 +302,8 @@ def batch_limit(policy: Policy) -> BatchLimit | None:
         limits.append(BatchLimit("alone", f"policy '{policy.name}' evicts from compressed storage, whose tiers are "
                                           "kept for one sequence"))
     elif policy.layout() is not None:  # every row holds every token alike: the batch's bytes are the rows' sum
-        limits.append(BatchLimit("equal", f"policy '{policy.name}' stores by position, in tiers a batch's rows "
-                                          "share"))
+        limits.append(BatchLimit("equal", f"policy '{policy.name}' stores entries in tiers by position, which a "
+                                          "batch's rows share only at one length"))
     return min(limits, key=lambda limit: limit.rows != "alone", default=None)
 
 
