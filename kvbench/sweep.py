@@ -440,12 +440,10 @@ def row_batches(lm: LoadedModel, task: Task, cell: Cell, samples: list[Sample]) 
     does not) and append questions of one length after compression (`question: agnostic`); a chunked prefill,
     or a policy limited to rows of one length (`batch_limit`), needs rows of one prompt and answer length. A
     task, cell or policy that cannot batch at all (`batching_note`) runs each sample alone."""
-    if len(samples) < 2 or _alone(cell) is not None:
+    if len(samples) < 2 or not _batches(cell):
         return [[sample] for sample in samples]
     policy, settings = cell.policy(), cell.settings()
     limit = batch_limit(policy)
-    if limit is not None and limit.rows == "alone":
-        return [[sample] for sample in samples]
     chunked, agnostic = settings.prefill == "chunked", settings.question == "agnostic"
     together: dict[str, list[Sample]] = {}
     for sample in samples:
@@ -487,6 +485,12 @@ def _alone(cell: Cell) -> str | None:
     if "fidelity" in d.get("diagnostics", ()):
         return "fidelity diagnostics follow each sample's full cache alone"
     return None
+
+
+def _batches(cell: Cell) -> bool:
+    """Whether `cell` may run several samples together (some, where its policy needs rows of one length)."""
+    limit = batch_limit(cell.policy())
+    return _alone(cell) is None and (limit is None or limit.rows != "alone")
 
 
 def batching(cells: list[Cell], batch_size: int) -> dict[str, Any]:
@@ -601,17 +605,18 @@ def _failure(cell: Cell, exc: Exception) -> dict[str, Any]:
             "message": message.splitlines()[0] if message else type(exc).__name__, "finished": now()}
 
 
-def estimate_seconds(cells: list[Cell], parameters: int, device: torch.device, share: bool) -> float:
+def estimate_seconds(cells: list[Cell], parameters: int, device: torch.device, share: bool,
+                     batch_size: int = 1) -> float:
     """A rough wall-time guess for one model's cells from its size: a prompt token costs 2 x parameters FLOPs at an
     assumed throughput (1.2e11 FLOP/s on 2 CPU cores: the ~450 prompt tokens/s measured for 135M parameters);
-    a decoded token, bound by memory and latency, about 40 times more (~90 ms there)."""
+    a decode step, bound by memory and latency, about 40 times more (~90 ms there), for a batch's rows as for one."""
     flops = 2e14 if device.type == "cuda" else 1.2e11
-    return token_work(cells, share) * 2 * parameters / flops
+    return token_work(cells, share, batch_size) * 2 * parameters / flops
 
 
-def token_work(cells: list[Cell], share: bool) -> float:
+def token_work(cells: list[Cell], share: bool, batch_size: int = 1) -> float:
     """What `estimate_seconds` weighs, in prompt-token equivalents: the prompt tokens run (once per sample group
-    where the prompt's forward is shared) plus 40 per decoded token."""
+    where the prompt's forward is shared) plus 40 per decode step (one for the rows of a batch)."""
     work, prompts_run = 0.0, set()
     for cell in cells:
         d = cell.description
@@ -621,7 +626,8 @@ def token_work(cells: list[Cell], share: bool) -> float:
         if not (share and task.shares_prefill and _sharable(cell) and cell.group in prompts_run):
             work += prompt * samples
         prompts_run.add(cell.group)
-        work += decoded * samples * 40
+        rows = batch_size if batch_size > 1 and _batches(cell) else 1
+        work += decoded * -(-samples // rows) * 40
     return work
 
 

@@ -22,7 +22,7 @@ class QueryMoments:
     total: torch.Tensor
     outer: torch.Tensor
     scaling: float
-    recent: torch.Tensor | None = None  # [B, H, query_buffer + 1, D]: the last cell a spare that uncounted queries write
+    recent: torch.Tensor | None = None  # [B, H, query_buffer + 1, D]: the last cell a spare for uncounted queries
     recent_seen: np.ndarray | None = None  # [B] on the host
 
 

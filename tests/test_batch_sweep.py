@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 
+import pandas as pd
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -24,8 +25,8 @@ from kvbench.config import load_config
 from kvbench.policies import POLICIES, build_policy
 from kvbench.results import RunFolder
 from kvbench.session import Prompt, RunSettings, Session, generate, generate_rows
-from tests.conftest import random_ids
 from kvbench.sweep import expand
+from tests.conftest import random_ids
 from tests.test_sweep import ROOT, records_by_key, sweep, sweep_until, write_config
 
 runner = CliRunner()
@@ -37,21 +38,20 @@ TIMING = {"ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s", "batch_size", "me
 
 SNAP = {"name": "snapkv", "window": 8}
 # every registered policy, at parameters that fit prompts of 30-250 tokens and budgets of 24 tokens or half
+QUANT = {"bits": 4, "residual": 8, "group_size": 8}
 POLICY_SPECS = [
     "full", "window", {"name": "streaming_llm", "sinks": 4}, {"name": "h2o", "recent_ratio": 0.5}, "tova",
     SNAP, {"name": "pyramidkv", "window": 8, "beta": 4}, {"name": "ada_kv", "base": SNAP},
     {"name": "chunkkv", "base": SNAP, "chunk": 4}, {"name": "criticalkv", "base": SNAP},
     {"name": "compose", "prefill": SNAP, "decode": "h2o"}, {"name": "hybrid", "prefill": SNAP},
     {"name": "expected_attention", "n_future_positions": 16},
-    {"name": "expected_attention", "n_future_positions": 16, "decode": True}, "knorm", {"name": "knorm", "decode": True},
-    "keydiff", {"name": "lagkv", "lag_size": 8, "sink_size": 2}, {"name": "merge", "recent": 4, "sinks": 2},
-    {"name": "scissorhands", "history": 8, "recent": 4}, "random", {"name": "kvzip", "chunk": 64},
-    {"name": "adaptive", "limit_bytes": 20000, "fallback": "h2o"},
+    {"name": "expected_attention", "n_future_positions": 16, "decode": True}, "knorm",
+    {"name": "knorm", "decode": True}, "keydiff", {"name": "lagkv", "lag_size": 8, "sink_size": 2},
+    {"name": "merge", "recent": 4, "sinks": 2}, {"name": "scissorhands", "history": 8, "recent": 4}, "random",
+    {"name": "kvzip", "chunk": 64}, {"name": "adaptive", "limit_bytes": 20000, "fallback": "h2o"},
     # compressed storage: every token at fewer bits (batches rows of one length), and under an eviction policy
-    {"name": "quant", "bits": 4, "residual": 8, "group_size": 8}, {"name": "mixed_precision", "recent": 8,
-                                                                   "group_size": 8},
-    {"name": "lowrank", "rank": 4}, {"name": "h2o", "budgets": [24], "storage": {"quant": {"bits": 4, "residual": 8,
-                                                                                            "group_size": 8}}},
+    {"name": "quant", **QUANT}, {"name": "mixed_precision", "recent": 8, "group_size": 8},
+    {"name": "lowrank", "rank": 4}, {"name": "h2o", "budgets": [24], "storage": {"quant": QUANT}},
 ]
 
 # samples of very different lengths (the shortest an eighth of the longest), answers cut at different lengths,
@@ -265,6 +265,24 @@ def test_the_gate_passes_a_batched_run_but_will_not_compare_its_speed(tmp_path, 
     summary = (tmp_path / "batched" / "summary.md").read_text()
     assert "| batch |" in summary and "speeds of cells of different batch sizes do not compare" in summary
     assert "| batch |" not in (tmp_path / "alone" / "summary.md").read_text()
+
+
+def test_the_recommendation_compares_speed_with_full_at_one_batch_size(tmp_path, ragged):
+    from kvbench.report import recommend
+    from kvbench.summary import summarize
+
+    # a ratio budget resolves differently over these samples' lengths: their rows would run apart
+    config = write_config(tmp_path, {**ragged_config(ragged), "policies": ["full", "window", "h2o"],
+                                     "budgets": [24], "question": "aware"})
+    sweep(config, tmp_path / "batched", "--batch-size", "6")
+    frame = summarize(tmp_path / "batched", write=False)
+    assert set(frame["batch_size"]) == {6}
+    chosen = recommend(frame, max_drop=100).iloc[0]  # every cell qualifies: the smallest cache wins
+    assert chosen["policy"] != "full" and chosen["decode_speed_vs_full"] > 0 and chosen["note"] == ""
+    frame.loc[frame["policy"] != "full", "batch_size"] = 1  # as a policy that runs each sample alone beside full
+    chosen = recommend(frame, max_drop=100).iloc[0]
+    assert chosen["decode_speed_vs_full"] is None and pd.isna(chosen["full_tpot_s"])
+    assert chosen["note"] == "speed not compared: batch size 1, full's 6"
 
 
 # --- one writer per run folder ---------------------------------------------------------------------------------

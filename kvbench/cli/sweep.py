@@ -136,7 +136,7 @@ def _dry_run(path: str, cfg, cells, folder, share: bool, workers: int | None) ->
     if any(parameters is None for parameters, _ in sizes.values()):
         estimate = "unknown"
     else:
-        seconds = [estimate_seconds(unit, *sizes[unit[0].model], share) for unit in units]
+        seconds = [estimate_seconds(unit, *sizes[unit[0].model], share, cfg.batch_size) for unit in units]
         total = sum(seconds) if workers is None else wall_seconds(seconds, workers)
         estimate = f"~{total / 60:.1f} min" + ("" if workers is None else f" on {workers} Ray workers")
     units_note = "" if workers is None else f" in {len(units)} units of work"
