@@ -278,7 +278,7 @@ def test_the_recommendation_compares_speed_with_full_at_one_batch_size(tmp_path,
     frame = summarize(tmp_path / "batched", write=False)
     assert set(frame["batch_size"]) == {6}
     chosen = recommend(frame, max_drop=100).iloc[0]  # every cell qualifies: the smallest cache wins
-    assert chosen["policy"] != "full" and chosen["decode_speed_vs_full"] > 0 and chosen["note"] == ""
+    assert chosen["policy"] != "full" and chosen["note"] == "" and chosen["full_tpot_s"] is not None
     frame.loc[frame["policy"] != "full", "batch_size"] = 1  # as a policy that runs each sample alone beside full
     chosen = recommend(frame, max_drop=100).iloc[0]
     assert chosen["decode_speed_vs_full"] is None and pd.isna(chosen["full_tpot_s"])
