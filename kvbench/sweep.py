@@ -413,6 +413,10 @@ def run_group(lm: LoadedModel, cells: list[Cell], done: set[tuple[str, str]], ou
                     records = _run_rows(lm, task, cell, rows, shared, trace)
                 except Exception as exc:  # one failing cell never stops the sweep
                     _fail(outcomes, failed, cell, exc)
+                finally:
+                    shared = None  # this loop's reference too: a part no other cell runs is freed now
+                    if prefills is not None and _sharable(cell):
+                        prefills.served(cell, rows)
                 if cell.id in failed:
                     _release_cached_memory()  # now that the failed cell's tensors went with its traceback
                     break
@@ -543,6 +547,7 @@ class _BatchPrefill:
     def __init__(self, whole: SharedPrefill, samples: list[Sample], users: dict[tuple[str, ...], list[Cell]]) -> None:
         self.whole, self.samples, self.users = whole, samples, users
         self.parts: dict[tuple[str, ...], SharedPrefill] = {}
+        self.waiting = {key: len(cells) for key, cells in users.items()}  # cells yet to run each part
 
     @classmethod
     def of(cls, lm: LoadedModel, cells: list[Cell], runs: dict[str, list[list[Sample]]], batch: list[Sample],
@@ -572,6 +577,13 @@ class _BatchPrefill:
             self.parts[key] = self.whole.select([ids.index(s.id) for s in rows],
                                                 [(c.policy(), c.settings()) for c in self.users.get(key, [])])
         return self.parts[key]
+
+    def served(self, cell: Cell, rows: list[Sample]) -> None:
+        """`cell` ran `rows`: a part no other cell will run is freed (a copy of some rows' prompt cache)."""
+        key = tuple(s.id for s in rows)
+        self.waiting[key] = self.waiting.get(key, 1) - 1
+        if self.waiting[key] <= 0:
+            self.parts.pop(key, None)
 
 
 def _fail(outcomes: Outcomes, failed: dict[str, dict[str, Any]], cell: Cell, exc: Exception) -> None:
