@@ -393,7 +393,8 @@ def run_group(lm: LoadedModel, cells: list[Cell], done: set[tuple[str, str]], ou
     started = {cell.id: time.perf_counter() for cell in cells}
     for batch in sample_batches(samples, batch_size):
         todo = {c.id: [s for s in batch if (c.id, s.id) not in done] for c in cells if c.id not in failed}
-        runs = {c.id: row_batches(lm, task, c, todo[c.id]) for c in cells if todo.get(c.id)}
+        sizes = prompt_sizes(lm, batch) if len(batch) > 1 else {}  # tokenized once for every cell
+        runs = {c.id: row_batches(c, todo[c.id], sizes, lm.num_layers) for c in cells if todo.get(c.id)}
         prefills = None
         if share and task.shares_prefill:
             try:
@@ -438,12 +439,20 @@ def sample_batches(samples: list[Sample], batch_size: int) -> list[list[Sample]]
     return [samples[start : start + batch_size] for start in range(0, len(samples), batch_size)]
 
 
-def row_batches(lm: LoadedModel, task: Task, cell: Cell, samples: list[Sample]) -> list[list[Sample]]:
-    """How `cell` runs these samples of a batch: together, as far as its rows can evict as each would alone. Rows
-    run together when they resolve the budget alike (`compression_plan`: a ratio of prompts of different lengths
-    does not) and append questions of one length after compression (`question: agnostic`); a chunked prefill,
-    or a policy limited to rows of one length (`batch_limit`), needs rows of one prompt and answer length. A
-    task, cell or policy that cannot batch at all (`batching_note`) runs each sample alone."""
+def prompt_sizes(lm: LoadedModel, samples: list[Sample]) -> dict[str, tuple[int, int]]:
+    """Each sample's (context, question) length in tokens, by sample id."""
+    encoded = {sample.id: encode_prompt(lm.tokenizer, sample) for sample in samples}
+    return {sample_id: (len(context), len(question)) for sample_id, (context, question) in encoded.items()}
+
+
+def row_batches(cell: Cell, samples: list[Sample], sizes: dict[str, tuple[int, int]],
+                num_layers: int) -> list[list[Sample]]:
+    """How `cell` runs these samples of a batch (`sizes`: their `prompt_sizes`): together, as far as its rows can
+    evict as each would alone. Rows run together when they resolve the budget alike (`compression_plan`: a ratio
+    of prompts of different lengths does not) and append questions of one length after compression (`question:
+    agnostic`); a chunked prefill, or a policy limited to rows of one length (`batch_limit`), needs rows of one
+    prompt and answer length. A task, cell or policy that cannot batch at all (`batching_note`) runs each sample
+    alone."""
     if len(samples) < 2 or not _batches(cell):
         return [[sample] for sample in samples]
     policy, settings = cell.policy(), cell.settings()
@@ -451,14 +460,14 @@ def row_batches(lm: LoadedModel, task: Task, cell: Cell, samples: list[Sample]) 
     chunked, agnostic = settings.prefill == "chunked", settings.question == "agnostic"
     together: dict[str, list[Sample]] = {}
     for sample in samples:
-        context, question = encode_prompt(lm.tokenizer, sample)
+        context, question = sizes[sample.id]
         try:
-            plan = compression_plan(policy, settings, len(context) + len(question), chunked, lm.num_layers)
+            plan = compression_plan(policy, settings, context + question, chunked, num_layers)
         except KvbenchError:  # a sample this cell cannot run: one at a time, so it fails the cell where alone would
             return [[sample] for sample in samples]
-        key: list[Any] = [plan, len(question) if agnostic else None]
+        key: list[Any] = [plan, question if agnostic else None]
         if chunked or limit is not None:  # no padding: rows alike in every length
-            key += [len(context), len(question), settings.max_new_tokens or sample.max_new_tokens]
+            key += [context, question, settings.max_new_tokens or sample.max_new_tokens]
         together.setdefault(json.dumps(key), []).append(sample)
     return list(together.values())
 
