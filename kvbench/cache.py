@@ -642,7 +642,7 @@ class KVCache(Cache):
         order (`RowView`): once per prompt and row, so that what the policy keeps, its ties included, is what it
         keeps alone. The rows then keep what they chose, padding dropped (`retain`)."""
         rows = self.rows
-        assert rows is not None
+        assert rows is not None and not self.folds, "a merging policy batches rows of one length only"
         held = rows.held[layer.layer_idx]
         padding = layer.padding()
         assert padding is not None
