@@ -45,7 +45,8 @@ class Adaptive(Wrapper):
         return super().active(cache)
 
     def batch_limits(self) -> list[BatchLimit]:
-        return [BatchLimit("alone", "policy 'adaptive' switches when its whole cache reaches the limit")]
+        return [*super().batch_limits(),
+                BatchLimit("alone", "policy 'adaptive' switches when its whole cache reaches the limit")]
 
     def report(self) -> dict[str, Any]:
         return {**super().report(), "switched_at_token": self._switched_at, "limit_bytes": self._limit}
