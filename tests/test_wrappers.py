@@ -62,8 +62,8 @@ def call_hook(policy: Policy, name: str, cache) -> None:
     layer = SimpleNamespace(owner=cache)
     arguments = {"observe": (layer, None, None, 1.0, cache.phase), "score": (layer, 8), "select": (layer, 8),
                  "fold": (layer, None), "layer_budgets": (8, 2), "active": (cache,), "report": (),
-                 "check_settings": (False,), "check_budget": (8,), "observers": (), "state_keys": (), "batch_limits": (),
-                 "after_prompt": (SimpleNamespace(cache=cache), None)}
+                 "check_settings": (False,), "check_budget": (8,), "observers": (), "state_keys": (),
+                 "batch_limits": (), "after_prompt": (SimpleNamespace(cache=cache), None)}
     getattr(policy, name)(*arguments[name])
 
 
