@@ -18,6 +18,7 @@ A policy with a storage layout (quant, mixed_precision, lowrank, or `storage:` o
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 import weakref
 from collections import Counter
@@ -25,12 +26,14 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvbench.attention import FULL, LayerKind
 from kvbench.errors import KvbenchError
 from kvbench.measure import synchronize
+from kvbench.rows import RowAccounts, RowView, rows_of
 
 if TYPE_CHECKING:
     from kvbench.models import ModelInternals
@@ -82,6 +85,9 @@ class LayerKV(CacheLayerMixin):
         # every KV head holds the same positions in the same slots (until a policy evicts per head): one mask row
         # then serves all heads of a sliding layer
         self.heads_share_positions = True
+        # slot s + (a row's left padding) holds the s-th token of every head: nothing evicted or moved yet. A batch
+        # then hands a policy each row's own slots, as they lie in its unbatched cache (`RowView`)
+        self.slots_in_order = True
         self.length = 0  # live slots
         self.seen = 0  # tokens ever appended: the position of the next one
         self.max_held = 0
@@ -116,14 +122,17 @@ class LayerKV(CacheLayerMixin):
         start, end = self.length, self.length + new
         if end > self.capacity or self.borrowed:
             self._reallocate(self.owner.capacity_for(end, self.layer_idx))
+        owner = self.owner
+        if owner.rows is not None:  # each row's own cache grows by its own tokens
+            owner.rows.appended(owner, self.layer_idx, self.seen, new, owner.batch_heads_dim[1] * self.entry_bytes())
         positions = torch.arange(self.seen, self.seen + new, device=self.device)
-        pad = self.owner.left_padding
+        pad = owner.left_padding
         if pad is not None:  # a left-padded batch: each row's tokens count from its first real one
             positions = positions - pad.to(self.device)[:, None, None]
         self.positions[:, :, self.length : end] = positions
         for stat in self.slot_stats.values():
             stat[:, :, self.length : end] = 0
-        if pad is not None and self.seen < int(pad.max()):  # the padding slots: masked, evicted first
+        if pad is not None and self.seen < owner.max_padding:  # the padding slots: masked, evicted first
             self.slot_stat(PADDING, dtype=torch.bool)
             self.slot_stats[PADDING][:, :, self.length : end] = self.positions[:, :, self.length : end] < 0
         self.length, self.seen = end, self.seen + new
@@ -132,6 +141,23 @@ class LayerKV(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         return self.length
+
+    def select_rows(self, owner: KVCache, rows: torch.Tensor, width: int, seen: int) -> LayerKV:
+        """A copy of this layer's `rows` only, for `owner` (see `KVCache.select_rows`): `width` slots, each row's
+        entries last in slot order (a prompt's, still in order, stay in order) behind its padding."""
+        twin = copy.copy(self)
+        twin._owner = weakref.ref(owner)
+        padding = self.padding()
+        held = (~padding if padding is not None else torch.ones_like(self.live_positions(), dtype=torch.bool))[rows]
+        order = torch.sort(held.to(torch.int8), dim=-1, stable=True).indices[..., self.length - width :]
+        twin.keys, twin.values = (_take(buffer[rows, :, : self.length], order) for buffer in (self.keys, self.values))
+        twin.positions = _take(self.positions[rows, :, : self.length], order)
+        twin.slot_stats = {name: _take(stat[rows, :, : self.length], order) for name, stat in self.slot_stats.items()}
+        if PADDING in twin.slot_stats and int(held.sum(dim=-1).min()) == width:  # none of these rows is padded
+            del twin.slot_stats[PADDING]
+        twin.layer_stats = {name: rows_of(value, rows) for name, value in self.layer_stats.items()}
+        twin.length, twin.seen, twin.borrowed = width, seen, False
+        return twin
 
     def copy_from(self, other: LayerKV, stats: list[str]) -> None:
         """Hold a copy of `other`'s entries and of those of its per-slot statistics named in `stats`."""
@@ -166,12 +192,14 @@ class LayerKV(CacheLayerMixin):
         self.lazy_initialization(other.keys, other.values)
         self.length, self.seen, self.max_held = other.length, other.seen, other.max_held
         self.heads_share_positions = other.heads_share_positions
+        self.slots_in_order = other.slots_in_order
         self.layer_stats.update({name: copy.deepcopy(other.layer_stats[name]) for name in stats
                                  if name in other.layer_stats})
 
     def truncate(self, count: int) -> None:
         """Forget the `count` newest tokens, as if never fed (they occupy the last slots: nothing was evicted
         since they arrived). A probe's tokens leave this way (KVzip's reconstruction)."""
+        assert self.owner.rows is None, "a probe runs on a single-row cache"
         self.length -= count
         self.seen -= count
 
@@ -243,6 +271,7 @@ class LayerKV(CacheLayerMixin):
     def retain(self, keep: torch.Tensor) -> None:
         """Keep the slots marked in `keep` `[batch, heads, length]`, any number per head: each head's survivors
         move to the front and heads that keep fewer than the most are padded (and masked in attention)."""
+        self.slots_in_order = False
         counts = keep.sum(dim=-1, keepdim=True)
         width = int(counts.max())
         survivors = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices[..., :width]
@@ -269,6 +298,8 @@ class LayerKV(CacheLayerMixin):
             age = age.masked_fill(padding, torch.iinfo(age.dtype).min)
         excess = self.length - (self.kind.window - 1)
         self.evict(age.topk(excess, dim=-1, largest=False, sorted=False).indices)
+        if self.owner.rows is not None:  # padding went first: a row loses what its own layer would
+            self.owner.rows.slid(self.owner, self.layer_idx, self.kind.window)
 
     def out_of_window(self) -> torch.Tensor | None:
         """`[batch, kv_heads, length]`, True on entries the next query of a sliding layer cannot see (None: a full
@@ -313,6 +344,7 @@ class LayerKV(CacheLayerMixin):
         e = evicted.shape[-1]
         if e == 0:
             return
+        self.slots_in_order = False
         keep = self.length - e
         if e == 1:  # the usual decode step: the last slot fills the hole (or is the hole)
             holes, sources = evicted, torch.full_like(evicted, keep)
@@ -383,6 +415,7 @@ class KVCache(Cache):
         prompt_tokens: int | None = None,
         model: ModelInternals | None = None,
         kinds: list[LayerKind] | None = None,
+        rows: RowAccounts | None = None,
     ) -> None:
         self.policy = policy
         self.kinds = kinds or [FULL] * num_layers  # how each layer attends (sliding window, soft cap)
@@ -390,6 +423,11 @@ class KVCache(Cache):
         self._model = model  # what a policy may read of the model (rotary embedding, output projections)
         self.limit_bytes = limit_bytes  # KV bytes allowed (a memory-pressure cell on CPU): beyond, out of memory
         self.left_padding = left_padding  # [batch] padding tokens in front of each row (batch > 1)
+        # on the host, read once: each row's padding, and the most of any
+        self.row_padding = [0] * batch_heads_dim[0] if left_padding is None else left_padding.tolist()
+        self.max_padding = max(self.row_padding)
+        # a batch: what each row's own cache would hold (kvbench/rows.py), for its record and its evictions
+        self.rows = rows
         self.budget = budget
         # per-layer budgets: equal, unless the policy spreads the total unevenly (PyramidKV)
         self.layer_budgets = None if budget is None else policy.layer_budgets(budget, num_layers, prompt_tokens)
@@ -416,8 +454,10 @@ class KVCache(Cache):
         if layout is not None:
             if any(kind.window is not None for kind in self.kinds):
                 raise KvbenchError(f"policy '{policy.name}': compressed storage does not run on sliding-window layers")
-            if batch_heads_dim[0] > 1:
-                raise KvbenchError(f"policy '{policy.name}': compressed storage runs at batch 1")
+            # rows of one length under a policy that evicts nothing hold alike: each is the batch's share
+            if left_padding is not None or rows is not None or (batch_heads_dim[0] > 1 and policy.phases):
+                raise KvbenchError(f"policy '{policy.name}': compressed storage runs at batch 1, or batches rows of "
+                                   "one length without eviction")
             layout.fit(batch_heads_dim[2])
         super().__init__(layers=[layout.layer(self, i) if layout else LayerKV(self, i) for i in range(num_layers)])
 
@@ -435,8 +475,11 @@ class KVCache(Cache):
             raise KvbenchError(f"policy '{self.policy.name}' reads the model, but this cache was built without one")
         return self._model
 
-    def capacity_for(self, live: int, layer_idx: int) -> int:
-        """Slots a layer's buffer gets when it must hold `live` entries."""
+    def capacity_for(self, live: int, layer_idx: int, growth: int | None = None, headroom: int | None = None) -> int:
+        """Slots a layer's buffer gets when it must hold `live` entries (with a row's own `growth` and `headroom`:
+        what that row's cache alone would get)."""
+        growth = self.growth if growth is None else growth
+        headroom = self.headroom if headroom is None else headroom
         bounded = self.phase is Phase.PREFILL or self.policy.evicts_during_decode
         held = None  # the most entries the layer keeps between forwards, if bounded
         if self.budget is not None and bounded and self.policy.active(self):
@@ -444,7 +487,7 @@ class KVCache(Cache):
         window = self.kinds[layer_idx].window
         if window is not None:
             held = window - 1 if held is None else min(held, window - 1)
-        return live + self.growth if held is None else max(live, held + self.headroom)
+        return live + growth if held is None else max(live, held + headroom)
 
     def note_allocation(self, new_bytes: int) -> None:
         """Called before a layer's buffers are replaced: old and new coexist for a moment, count both."""
@@ -488,17 +531,24 @@ class KVCache(Cache):
         itself, so compressing it gives identical results. Plain layers borrow the shared entries (compression
         gathers the kept ones into this cache's own buffers: the shared cache plus the compressed one, never two
         full copies); compressed-storage layers encode a copy. Call `own_entries` after compressing."""
+        if self.rows is not None and shared.rows is None:
+            raise ValueError("a batch adopts a shared prefill of the same rows")
+        stats = [*self.policy.state_keys(), PADDING]  # a batch's padding marks come along
         for mine, theirs in zip(self.layers, shared.layers, strict=True):
             if type(mine) is LayerKV:
-                mine.borrow(theirs, stats=self.policy.state_keys())
+                mine.borrow(theirs, stats=stats)
+                if self.rows is not None and shared.rows is not None:
+                    self.rows.adopted(mine.layer_idx, shared.rows)
             else:
-                mine.copy_from(theirs, stats=self.policy.state_keys())
+                mine.copy_from(theirs, stats=stats)
 
     def own_entries(self) -> None:
         """Copy what compression left borrowed (a layer it did not shrink) into buffers of this cache's own."""
         for layer in self.layers:
             if layer.is_initialized:
                 layer.own()
+                if self.rows is not None:
+                    self.rows.owned(self, layer.layer_idx)
 
     def compress(self) -> None:
         """Evict down to the budget: always after a prefill chunk, every `evict_every` tokens in decode."""
@@ -506,6 +556,9 @@ class KVCache(Cache):
             return
         slack = 1 if self.phase is Phase.PREFILL else self.evict_every
         for layer, budget in zip(self.layers, self.layer_budgets, strict=True):
+            if self.rows is not None:
+                self._compress_rows(layer, budget, slack)
+                continue
             excess = layer.length - budget
             if excess < slack:
                 continue
@@ -529,6 +582,130 @@ class KVCache(Cache):
             self.policy.fold(layer, evicted)
             layer.evict(evicted)
             self.evictions += evicted.numel()
+
+    def _compress_rows(self, layer: LayerKV, budget: int, slack: int) -> None:
+        """`compress` for a batch: each row evicts when and what its own cache would (its real entries beyond the
+        budget, by its own scores), whatever the others do. The rows' counts are the host's (`self.rows`).
+
+        Rows due to evict keep their best `budget` entries per head; the buffer shrinks to the widest row that
+        remains, padding slots going first. When a row must drop more real entries than the others let the buffer
+        shrink (a row due while a wider one is not), its extra drops become padding slots in place (`retain`)."""
+        rows = self.rows
+        assert rows is not None
+        held = rows.held[layer.layer_idx]  # [rows, heads]
+        lengths = held.max(axis=1)
+        due = lengths - budget >= slack
+        if not due.any():
+            return
+        padding = layer.padding()
+        if padding is not None and layer.slots_in_order:  # a padded prompt's first compression
+            self._compress_each_row(layer, budget, due)
+            return
+        layer.heads_share_positions = False
+        target = np.where(due[:, None], np.minimum(held, budget), held)
+        due_rows = torch.from_numpy(due).to(layer.device)[:, None, None]
+        chosen = self.policy.select(layer, budget)
+        if chosen is not None:  # uneven heads (Ada-KV): the policy picks a due row's kept set itself
+            real = torch.ones_like(chosen) if padding is None else ~padding
+            keep = torch.where(due_rows, chosen & real, real)
+            layer.retain(keep)
+            counts = keep.sum(dim=-1).cpu().numpy()
+            self.evictions += rows.count_evictions(due, held.sum(axis=1) - counts.sum(axis=1))
+            rows.kept(self, layer.layer_idx, due, counts)
+            return
+        scores = self.policy.score(layer, budget)
+        unseen = layer.out_of_window()
+        if unseen is not None:  # what no query can see goes first after padding: the lowest finite score
+            scores = scores.masked_fill(unseen, torch.finfo(scores.dtype).min)
+        if padding is not None:
+            scores = scores.masked_fill(padding, float("-inf"))
+        width = int(target.max())
+        # the real entries each head loses when the buffer shrinks to `width` (padding first), beyond its target
+        extra = (held - target) - np.clip(held - width, 0, None)
+        if not extra.any():  # every due row drops what the buffer sheds: the decode step's fast path
+            evicted = scores.topk(layer.length - width, dim=-1, largest=False, sorted=False).indices
+            if self.folds:  # a merging policy writes into the entries that stay (it batches equal rows only)
+                layer.own()
+                rows.owned(self, layer.layer_idx, due)
+            self.policy.fold(layer, evicted)
+            layer.evict(evicted)
+        else:
+            assert not self.folds, "a merging policy batches rows of equal length only"
+            rank = scores.argsort(dim=-1, descending=True).argsort(dim=-1)
+            layer.retain(rank < torch.from_numpy(target).to(layer.device)[..., None])
+        # an unbatched cache counts the slots it evicts: its fullest head's excess, in every head
+        self.evictions += rows.count_evictions(due, (lengths - budget) * held.shape[1])
+        rows.kept(self, layer.layer_idx, due, target)
+
+    def _compress_each_row(self, layer: LayerKV, budget: int, due: np.ndarray) -> None:
+        """A due row's prompt compressed by the very calls its unbatched cache makes, on its own slots in prompt
+        order (`RowView`): once per prompt and row, so that what the policy keeps, its ties included, is what it
+        keeps alone. The rows then keep what they chose, padding dropped (`retain`)."""
+        rows = self.rows
+        assert rows is not None and not self.folds, "a merging policy batches rows of one length only"
+        held = rows.held[layer.layer_idx]
+        padding = layer.padding()
+        assert padding is not None
+        keep = ~padding
+        unseen = layer.out_of_window()
+        # an unbatched cache counts the slots it evicts (its fullest head's excess, in every head), or what a
+        # per-head selection dropped
+        evicted = np.zeros(len(due), dtype=np.int64)
+        for row in np.flatnonzero(due):
+            start = layer.length - int(held[row].max())  # the row's left padding still held
+            view = RowView(layer, int(row), start)
+            chosen = self.policy.select(view, budget)
+            if chosen is None:
+                scores = self.policy.score(view, budget)
+                if unseen is not None:
+                    scores = scores.masked_fill(unseen[row : row + 1, :, start:], float("-inf"))
+                dropped = scores.topk(view.length - budget, dim=-1, largest=False, sorted=False).indices
+                chosen = torch.ones_like(scores, dtype=torch.bool).scatter_(-1, dropped, False)
+                evicted[row] = dropped.numel()
+            else:
+                evicted[row] = int(held[row].sum()) - int(chosen.sum())
+            keep[row, :, start:] = chosen[0]
+        layer.heads_share_positions = False
+        layer.retain(keep)
+        self.evictions += rows.count_evictions(due, evicted)
+        rows.kept(self, layer.layer_idx, due, keep.sum(dim=-1).cpu().numpy())
+
+    def select_rows(self, rows: list[int]) -> KVCache:
+        """A copy of this batch's `rows` only (a shared prefill's cache, as fed), as a batch of them alone holds
+        it: their entries, re-padded to the longest of them (one row: no padding, no accounts but its own), and
+        their accounts. A cell that runs only some of a shared prefill's rows together starts from it."""
+        accounts = self.rows
+        assert accounts is not None, "select_rows() selects rows of a batch"
+        fed = [self.layers[0].seen - self.row_padding[row] for row in rows]  # each row's own tokens
+        seen = max(fed)
+        padding = [seen - tokens for tokens in fed]
+        twin = copy.copy(self)
+        twin.batch_heads_dim = (len(rows), *self.batch_heads_dim[1:])
+        twin.row_padding, twin.max_padding = padding, max(padding)
+        twin.left_padding = torch.tensor(padding) if max(padding) else None
+        twin.rows = accounts.select(rows, padding) if len(rows) > 1 else None
+        twin.observe_seconds = dict(self.observe_seconds)
+        index = torch.tensor(rows, device=self.layers[0].device)
+        widths = accounts.held[:, rows].max(axis=(1, 2))
+        assert all(layer.is_initialized for layer in self.layers), "select_rows() selects from a prompt fed"
+        twin.layers = [layer.select_rows(twin, index, int(width), seen)
+                       for layer, width in zip(self.layers, widths, strict=True)]
+        if twin.rows is None:  # one row: its own counters, as its unbatched cache keeps them
+            twin.peak_bytes = int(accounts.peak[rows[0]])
+            for layer in twin.layers:
+                layer.max_held = int(accounts.max_held[layer.layer_idx, rows[0]])
+        return twin
+
+    def row_stats(self, row: int) -> CacheStats:
+        """What an unbatched cache of row `row` would report (`stats` of a batch counts the whole rectangle). A
+        batch of compressed storage (rows of one length, nothing evicted) holds every row alike: a row's share."""
+        if self.rows is not None:
+            return self.rows.stats(self, row)
+        stats, rows = self.stats(), self.batch_heads_dim[0]
+        return dataclasses.replace(stats, kv_bytes_live=stats.kv_bytes_live // rows,
+                                   kv_bytes_physical=stats.kv_bytes_physical // rows,
+                                   kv_bytes_peak=stats.kv_bytes_peak // rows, kv_bytes_full=stats.kv_bytes_full // rows,
+                                   evictions=stats.evictions // rows)
 
     def padding(self, layer_idx: int) -> torch.Tensor | None:
         return self.layers[layer_idx].padding()

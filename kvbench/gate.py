@@ -6,7 +6,9 @@ samples can support only a large drop (two samples: both must fall), so each cel
 could ever detect, and the same test runs pooled over each policy's cells and over the whole run, which have
 the power single cells lack. Memory is deterministic and fails beyond a relative increase; with
 `strict_predictions` any changed prediction fails (deterministic CI on one machine type). Speed is compared
-only as ratios against the `full` cell of the same run (absolute times are never compared across machines).
+only as ratios against the `full` cell of the same run at the same batch size (absolute times are never
+compared across machines), and never between a run and a baseline that decoded at different batch sizes: the gate
+refuses to (a batch's tokens/s measures the batch, not one sequence).
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ def cell_metrics(run: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, A
     full_speed = {}
     for records in by_cell.values():
         cell = records[0]["cell"]
-        if cell["policy"]["name"] == "full":
-            full_speed[_pairing(cell)] = {key: _mean(records, key) for key in SPEED}
+        if cell["policy"]["name"] == "full":  # full at the same batch size: ratios of like with like
+            full_speed[_pairing(cell), batch_size(records)] = {key: _mean(records, key) for key in SPEED}
     cells = {}
     for cell_id in manifest["cells"]:
         records = by_cell.get(cell_id, [])
@@ -60,7 +62,7 @@ def cell_metrics(run: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, A
         cell = records[0]["cell"]
         scores = {r["sample_id"]: r["scores"]["score"] for r in records}
         low, high = bootstrap_ci(np.array(list(scores.values()), dtype=float))
-        base = full_speed.get(_pairing(cell), {})
+        base = full_speed.get((_pairing(cell), batch_size(records)), {})
         cells[cell_id] = {
             "label": _label(cell),
             "policy": _policy_label(cell),
@@ -76,8 +78,14 @@ def cell_metrics(run: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, A
             "kv_bytes_peak": _mean(records, "kv_bytes_peak"),
             "cache_ratio": _mean(records, "cache_ratio"),
             "speed_vs_full": {key: _mean(records, key) / base[key] for key in SPEED if base.get(key)},
+            "batch_size": batch_size(records),
         }
     return manifest, cells
+
+
+def batch_size(records: list[dict[str, Any]]) -> int:
+    """The most samples a cell's records decoded together (records before batching: one)."""
+    return max((r.get("batch_size") or 1 for r in records), default=1)
 
 
 def improvement(base: float, run: float, higher_is_better: bool) -> float:
@@ -184,6 +192,8 @@ def gate(run: str | Path, baseline: dict[str, Any], limits: Limits) -> list[Chec
             f"the baseline was made from another config (hash {baseline['config_hash']}, this run "
             f"{manifest['config_hash']}): make a new baseline with `kvbench baseline`"
         )
+    if limits.max_slowdown is not None:
+        _same_batch_sizes(baseline["cells"], current)
     checks = []
     for cell_id in sorted(set(baseline["cells"]) | set(current), key=lambda c: _sort_key(baseline, current, c)):
         base, now_ = baseline["cells"].get(cell_id), current.get(cell_id)
@@ -203,6 +213,19 @@ def gate(run: str | Path, baseline: dict[str, Any], limits: Limits) -> list[Chec
         else:
             checks.append(_compare(cell_id, label, base, now_, limits))
     return checks + _pooled(baseline["cells"], current, limits)
+
+
+def _same_batch_sizes(baseline: dict[str, Any], current: dict[str, Any]) -> None:
+    """Speed is gated only between a run and a baseline that decoded each cell at one batch size."""
+    for cell_id, run in sorted(current.items(), key=lambda item: item[1].get("label", item[0])):
+        base = baseline.get(cell_id)
+        if base is None or "samples" not in base or "samples" not in run:
+            continue
+        before, now_ = base.get("batch_size", 1), run.get("batch_size", 1)
+        if before != now_:
+            raise KvbenchError(f"--max-slowdown: {run['label']} decoded at batch size {now_}, the baseline at "
+                               f"{before}; their speeds do not compare (sweep at --batch-size {before}, or gate "
+                               "without --max-slowdown)")
 
 
 def _paired(base: dict[str, Any], run: dict[str, Any]) -> np.ndarray:
@@ -245,6 +268,8 @@ def _sort_key(baseline: dict[str, Any], current: dict[str, Any], cell_id: str) -
 
 def _compare(cell_id: str, label: str, base: dict[str, Any], run: dict[str, Any], limits: Limits) -> Check:
     check = Check(cell_id, label, "pass", score=(base["score"], run["score"]))
+    if base.get("batch_size", 1) != run.get("batch_size", 1):  # scores compare; speeds would not (not gated)
+        check.notes.append(f"batch size {run.get('batch_size', 1)}, the baseline's {base.get('batch_size', 1)}")
     if run["status"] != "ok":
         check.reasons.append(f"status {run['status']}")
     shared = sorted(set(base["samples"]) & set(run["samples"]))

@@ -69,7 +69,7 @@ class SweepWorker:
         outcomes = CollectedOutcomes()
         lm = load_or_fail(self.models, cells, outcomes)
         if lm is not None:
-            run_group(lm, cells, done, outcomes, share, trace, stop=lambda: False)
+            run_group(lm, cells, done, outcomes, share, trace, stop=lambda: False, batch_size=self.models.batch_size)
         return outcomes
 
 

@@ -43,15 +43,26 @@ def recommend(frame: pd.DataFrame, max_drop: float, max_kl: float | None = None)
             continue
         best = ok.sort_values(["cache_ratio", "score"], ascending=[True, not higher]).iloc[0]
         base = full.iloc[0]
+        # a batch's tokens/s and times measure the batch: compared only between cells of one batch size
+        alike = _batch(best) == _batch(base)
         rows.append({
             **row, "policy": best["policy"], "params": best["params"], "budget": best["budget"],
             "cache_ratio": best["cache_ratio"], "score": best["score"], "full_score": base["score"],
             "delta_ci_low": best["delta_ci_low"], "kv_saved_bytes": base["kv_bytes_live"] - best["kv_bytes_live"],
-            "decode_speed_vs_full": best["decode_tok_s"] / base["decode_tok_s"] if base["decode_tok_s"] else None,
+            "decode_speed_vs_full": best["decode_tok_s"] / base["decode_tok_s"] if alike and base["decode_tok_s"]
+            else None,
             "delta_vs_full": best["delta_vs_full"], "delta_ci_high": best["delta_ci_high"],
-            "tpot_s": best["tpot_s"], "full_tpot_s": base["tpot_s"], "higher_is_better": higher, "note": "",
+            "tpot_s": best["tpot_s"], "full_tpot_s": base["tpot_s"] if alike else None, "higher_is_better": higher,
+            "batch_size": _batch(best),
+            "note": "" if alike else f"speed not compared: batch size {_batch(best)}, full's {_batch(base)}",
         })
     return pd.DataFrame(rows)
+
+
+def _batch(row: pd.Series) -> int:
+    """A summary row's batch size (one for runs from before batching)."""
+    size = row.get("batch_size")
+    return 1 if size is None or pd.isna(size) else int(size)
 
 
 def worst_change(cells: pd.DataFrame, full_score: float) -> pd.Series:
@@ -383,9 +394,10 @@ def _sentence(row: dict[str, Any], varies: list[str]) -> str:
         return f"{head}: keep the full cache ({html.escape(row['note'])})."
     params = f" {_short(row['params'], '({})')}" if row["params"] else ""
     budget = "" if row["budget"] == "-" else f" at {html.escape(str(row['budget']))}"
+    batch = "" if row.get("batch_size", 1) in (1, None) else f" in batches of {row['batch_size']}"
     speed = "" if pd.isna(row["tpot_s"]) else (
-        f" at {_duration(row['tpot_s'])} per token" + ("" if pd.isna(row["full_tpot_s"]) else
-                                                       f" (full: {_duration(row['full_tpot_s'])})"))
+        f" at {_duration(row['tpot_s'])} per token{batch}" + ("" if _missing(row.get("full_tpot_s")) else
+                                                             f" (full: {_duration(row['full_tpot_s'])})"))
     lower = "" if row["higher_is_better"] else ", lower is better"
     change = "" if pd.isna(row["delta_vs_full"]) else (
         f" (change {row['delta_vs_full']:+.2f}, 95% CI [{row['delta_ci_low']:+.2f}, {row['delta_ci_high']:+.2f}])")
@@ -507,6 +519,8 @@ def _summary_columns(frame: pd.DataFrame) -> list[Column]:
         Column("KV peak", "kv_bytes_peak", _formatted("kv_bytes_peak", human_bytes), _raw("kv_bytes_peak"), text=False),
         Column("TTFT", "ttft_s", _formatted("ttft_s", _duration), _raw("ttft_s"), text=False),
         Column("per token", "tpot_s", _formatted("tpot_s", _duration), _raw("tpot_s"), text=False),
+        *([Column("batch", "batch_size", _formatted("batch_size", lambda v: f"{v:.0f}"), _raw("batch_size"),
+                  text=False)] if "batch_size" in frame and (frame["batch_size"] > 1).any() else []),
     ]
     fidelity = [("KL", "kl_mean", lambda v: f"{v:.3g}"), ("top-1 agreement", "top1_agreement", _percent),
                 ("attention recall", "attn_recall", _percent), ("length ratio", "length_ratio", lambda v: f"{v:.3g}×")]

@@ -2,25 +2,30 @@
 
 Records are appended and flushed one per finished sample, so a run killed at any moment loses at
 most the sample in flight; a line cut off by a kill is dropped on the next open, never fatal.
+
+One process writes a run folder at a time: opening it takes an exclusive OS lock on its `writer.lock`
+(`fcntl.flock`), which goes with the process that holds it, so a killed sweep leaves no stale lock behind.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
 from kvbench import __version__
 from kvbench.errors import KvbenchError
 
-MANIFEST, RECORDS, CELLS = "manifest.json", "records.jsonl", "cells.jsonl"
+MANIFEST, RECORDS, CELLS, LOCK = "manifest.json", "records.jsonl", "cells.jsonl", "writer.lock"
 
 
 def read_jsonl(path: Path, repair: bool = False) -> list[dict[str, Any]]:
@@ -107,6 +112,34 @@ class RunFolder:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self._lock: IO[str] | None = None  # the open lock file while this process writes the folder
+
+    def lock(self) -> None:
+        """Become the folder's one writer (creating it): an exclusive lock on `writer.lock`, held until `release`
+        or until this process ends, however it ends. Held by another process: a one-line error naming it."""
+        if self._lock is not None:
+            return
+        self.path.mkdir(parents=True, exist_ok=True)
+        handle = (self.path / LOCK).open("a+", encoding="utf-8")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "a process that has not written its name yet"
+            handle.close()
+            raise KvbenchError(f"{self.path} is being written by another sweep ({holder}): wait for it to finish, "
+                               "or give this one another --output folder") from None
+        handle.truncate(0)
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {now()}\n")
+        handle.flush()
+        self._lock = handle
+
+    def release(self) -> None:
+        """Stop writing the folder: let another process lock it."""
+        if self._lock is not None:
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+            self._lock.close()
+            self._lock = None
 
     @property
     def records_path(self) -> Path:
@@ -126,14 +159,15 @@ class RunFolder:
             raise KvbenchError(f"{path}: corrupted manifest (not JSON)") from None
 
     def open(self, manifest: dict[str, Any], force: bool) -> None:
-        """Start or resume: a folder holding another config's results is refused unless `force`."""
+        """Start or resume writing (`lock` first): a folder holding another config's results is refused unless
+        `force`."""
+        self.lock()
         previous = self.manifest()
         if previous and previous.get("config_hash") != manifest["config_hash"] and not force:
             raise KvbenchError(
                 f"{self.path} holds results of a different config (hash {previous.get('config_hash')} vs "
                 f"{manifest['config_hash']}); use a new --output folder, or --force to reuse the cells both share"
             )
-        self.path.mkdir(parents=True, exist_ok=True)
         if previous:  # a resume keeps when it began, and the models that ran before (they may not load again)
             manifest = {**manifest, "started": previous.get("started", manifest["started"]),
                         "resumed": [*previous.get("resumed", []), manifest["started"]],
@@ -182,6 +216,13 @@ def merge_runs(output: str | Path, shards: list[str]) -> None:
     if len(hashes) > 1:
         raise KvbenchError(f"shards come from different configs (hashes {', '.join(sorted(hashes))})")
     target = RunFolder(output)
+    try:
+        _merge_into(target, folders, manifests)
+    finally:
+        target.release()
+
+
+def _merge_into(target: RunFolder, folders: list[RunFolder], manifests: list[dict[str, Any]]) -> None:
     merged = {**manifests[0], "shard": None, "merged_from": [str(f.path) for f in folders],
               "cells": sorted({cell for m in manifests for cell in m["cells"]}),
               "models": union_models(*(m.get("models", []) for m in manifests)),

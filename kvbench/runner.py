@@ -10,7 +10,7 @@ from typing import Any
 
 from kvbench.models import LoadedModel
 from kvbench.policies.base import Policy
-from kvbench.session import RunSettings, SharedPrefill
+from kvbench.session import Generation, RunSettings, SharedPrefill
 from kvbench.tasks.base import Sample, Task, encode_prompt
 
 SPEED = ("ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s")
@@ -43,6 +43,21 @@ def evaluate(lm: LoadedModel, task: Task, policy: Policy, sample: Sample, settin
     """Run and score one sample: one record (a JSON-able dict)."""
     policy = dataclasses.replace(policy)  # fresh per-sample state (e.g. the random policy's generator)
     generation = task.run(lm, policy, sample, settings, shared)
+    return record(lm, task, policy, sample, settings, context_length, seed, generation)
+
+
+def evaluate_rows(lm: LoadedModel, task: Task, policy: Policy, samples: list[Sample], settings: RunSettings,
+                  context_length: int, seed: int, shared: SharedPrefill | None = None) -> list[dict[str, Any]]:
+    """Run and score several samples in one batch (`Task.run_rows`): their records, as `evaluate` gives each."""
+    policy = dataclasses.replace(policy)  # fresh state: its per-row parts (the random policy's generators) too
+    generations = task.run_rows(lm, policy, samples, settings, shared)
+    return [record(lm, task, policy, sample, settings, context_length, seed, generation)
+            for sample, generation in zip(samples, generations, strict=True)]
+
+
+def record(lm: LoadedModel, task: Task, policy: Policy, sample: Sample, settings: RunSettings, context_length: int,
+           seed: int, generation: Generation) -> dict[str, Any]:
+    """One sample's record: what ran, its task fields and its measurements."""
     return {
         "model": lm.spec,
         "task": task.describe(),

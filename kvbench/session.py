@@ -26,17 +26,18 @@ import dataclasses
 import json
 import statistics
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, NamedTuple
 
 import torch
 
-from kvbench.cache import KVCache, Phase
+from kvbench.cache import CacheStats, KVCache, Phase
 from kvbench.errors import KvbenchError
 from kvbench.measure import PeakMemory, Stopwatch
 from kvbench.models import LoadedModel
 from kvbench.policies.base import Policy
+from kvbench.rows import RowAccounts
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,14 @@ class SharedPrefill:
     wanted: Counter[str] = dataclasses.field(default_factory=Counter)
     compressed: dict[str, tuple[Policy, KVCache, float]] = dataclasses.field(default_factory=dict)
 
+    def select(self, rows: list[int], users: list[tuple[Policy, RunSettings]] = ()) -> SharedPrefill:
+        """The prefill of a batch's `rows` only (in that order), for cells that run those rows together; `users`
+        are their (policy, settings), as `shared_prefill` takes them."""
+        cache = self.cache.select_rows(rows)
+        prompt_tokens = cache.layers[0].seen - cache.row_padding[0]
+        return SharedPrefill(cache, self.logits[rows], self.seconds, self.memory,
+                             wanted_compressions(users, prompt_tokens))
+
     def seconds_for(self, policy: Policy) -> float:
         """The forward's time without the other policies' statistics: what `policy` alone would have spent."""
         spent = self.cache.observe_seconds
@@ -116,22 +125,34 @@ class Session:
     the budget; a cache that stops evicting grows `growth` slots at a time. `chunked` says whether the prompt
     is compressed more than once (default: the settings' prefill mode); `observers` gathers the statistics of
     other policies too (a shared prefill); `left_padding` `[batch]` makes it a left-padded batch.
+
+    A batch gives `prompt_tokens`, `arrival` and `growth` per row (or one for all): every row evicts as its own
+    cache would (kvbench/rows.py keeps each row's accounts), so the rows must share one resolved budget
+    (`compression_plan`).
     """
 
-    def __init__(self, lm: LoadedModel, policy: Policy, settings: RunSettings, prompt_tokens: int, *,
-                 arrival: int = 1, growth: int = 256, chunked: bool | None = None,
+    def __init__(self, lm: LoadedModel, policy: Policy, settings: RunSettings, prompt_tokens: int | Sequence[int],
+                 *, arrival: int | Sequence[int] = 1, growth: int | Sequence[int] = 256, chunked: bool | None = None,
                  observers: list[Policy] | None = None, left_padding: torch.Tensor | None = None) -> None:
         self.lm, self.policy, self.settings = lm, policy, settings
-        self.budget = policy_budget(policy, settings, prompt_tokens,
-                                    settings.prefill == "chunked" if chunked is None else chunked)
-        headroom = max(settings.evict_every, settings.prefill_chunk if settings.prefill == "chunked" else 1, arrival)
         self.rows = 1 if left_padding is None else len(left_padding)
+        prompts, arrivals, growths = (_per_row(value, self.rows) for value in (prompt_tokens, arrival, growth))
+        chunked = settings.prefill == "chunked" if chunked is None else chunked
+        plans = {compression_plan(policy, settings, tokens, chunked, lm.num_layers) for tokens in prompts}
+        if len(plans) > 1:
+            raise ValueError(f"the rows of a batch must share one budget and its layer budgets, got {sorted(plans)}")
+        self.budget = plans.pop()[0]
+        headrooms = [max(settings.evict_every, settings.prefill_chunk if settings.prefill == "chunked" else 1, a)
+                     for a in arrivals]
         padded = left_padding is not None and int(left_padding.max()) > 0
+        # a batch keeps each row's accounts; compressed storage batches only rows that hold alike (`row_stats`)
+        accounts = None if left_padding is None or policy.layout() is not None else \
+            RowAccounts(lm.num_layers, lm.kv_heads, left_padding.tolist(), growths, headrooms)
         self.cache = KVCache(lm.num_layers, (self.rows, lm.kv_heads, lm.head_dim), policy, self.budget,
-                             evict_every=settings.evict_every, headroom=headroom, growth=growth,
-                             observers=observers, limit_bytes=settings.kv_limit_bytes, prompt_tokens=prompt_tokens,
+                             evict_every=settings.evict_every, headroom=max(headrooms), growth=max(growths),
+                             observers=observers, limit_bytes=settings.kv_limit_bytes, prompt_tokens=prompts[0],
                              left_padding=left_padding if padded else None, model=lm.internals,
-                             kinds=lm.layer_kinds)
+                             kinds=lm.layer_kinds, rows=accounts)
         self.logits: torch.Tensor | None = None  # [rows, vocab]: the prediction of the next token
         self.pending: list[int] = []  # a generated token not fed yet: it goes in front of what comes next
         self.shared: SharedPrefill | None = None
@@ -143,6 +164,11 @@ class Session:
         self.tokens_fed = 0  # tokens fed other than by decoding: the record's prompt_tokens
         self.generated_tokens = 0
         self.decoded = False  # entered the decode phase at least once
+        # a batch: each row's own tokens fed and generated, and its accounts and logits when its answer ended
+        self.row_tokens_fed = [0] * self.rows
+        self.row_generated = [0] * self.rows
+        self.row_steps = 0  # one-token decode steps summed over the rows still generating (decode_tok_s)
+        self.finished: dict[int, tuple[CacheStats, torch.Tensor]] = {}
 
     # --- measurement ---------------------------------------------------------------------
     def __enter__(self) -> Session:
@@ -157,19 +183,36 @@ class Session:
         """Tokens fed so far (a pending generated token not included)."""
         return self.cache.layers[0].seen
 
-    def measurements(self) -> dict[str, Any]:
-        """The record's speed, byte and memory columns (after the `with` block)."""
+    def measurements(self, row: int | None = None) -> dict[str, Any]:
+        """The record's speed, byte and memory columns (after the `with` block). In a batch, `row`'s: its own
+        tokens and its cache as its own cache would hold it when its answer ended (kvbench/rows.py), beside what
+        the batch measured together (`ttft_s` and `tpot_s`: what every row waited; `prefill_tok_s` and
+        `decode_tok_s`: the batch's throughput; the memory peaks: the batch's). Without `row`, the whole batch."""
         if self.memory is None:
             raise RuntimeError("measurements() needs the session to have run inside `with session:`")
         scope = self.policy.budget_scope if self.decoded else ("prefill" if self.policy.phases else "none")
+        if self.rows == 1:
+            speed = timings(self.tokens_fed, self.prefill_s, self.ttft_s, self.step_s, self.generated_tokens)
+        else:
+            speed = timings(sum(self.row_tokens_fed), self.prefill_s, self.ttft_s, self.step_s,
+                            sum(self.row_generated), decoded=self.row_steps)
+        stats = None
+        if row is not None and self.rows > 1:
+            speed.update(prompt_tokens=self.row_tokens_fed[row], generated_tokens=self.row_generated[row])
+            stats = self.finished[row][0] if row in self.finished else self.cache.row_stats(row)
         return {
-            **timings(self.tokens_fed, self.prefill_s, self.ttft_s, self.step_s, self.generated_tokens,
-                      rows=self.rows),
+            **speed,
+            "batch_size": self.rows,
             "budget_tokens": self.budget,
             "budget_scope": scope,
-            **cache_measurements(self.cache, self.memory, self.earlier, shared=self.shared),
+            **cache_measurements(self.cache, self.memory, self.earlier, shared=self.shared, stats=stats, row=row),
             **self.policy.report(),
         }
+
+    def row_logits(self, row: int) -> torch.Tensor:
+        """`[vocab]`: the logits that chose the last token of `row`'s answer."""
+        assert self.logits is not None, "no prediction yet"
+        return self.finished[row][1] if row in self.finished else self.logits[row]
 
     # --- the calls -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -181,8 +224,10 @@ class Session:
         self._enter(Phase.PREFILL)
         clock = Stopwatch(self.lm.devices)
         own_statistics = 0.0
+        self._count_fed(ids.shape[1])
         if shared is not None:
-            if self.settings.prefill == "chunked" or self.seen or shared.cache.layers[0].seen != ids.shape[1]:
+            if self.settings.prefill == "chunked" or self.seen or shared.cache.layers[0].seen != ids.shape[1] \
+                    or not _same_rows(shared.cache, self.cache):
                 raise ValueError("a shared prefill serves only a `full` prefill of the same prompt")
             self.logits, self.shared = shared.logits, shared
             own_statistics = shared.seconds_for(self.policy) + self._compress_shared(shared, ids, clock)
@@ -203,6 +248,7 @@ class Session:
         ids = self._inputs(ids)
         self._enter(Phase.DECODE)
         clock = Stopwatch(self.lm.devices)
+        self._count_fed(ids.shape[1])
         self.logits = self._forward(ids)[:, -1]
         self._compress()
         self.prefill_s += clock.lap()
@@ -221,33 +267,43 @@ class Session:
         return self.logits
 
     @torch.inference_mode()
-    def decode(self, max_new_tokens: int, eos: set[int], stop: tuple[str, ...] = (),
+    def decode(self, max_new_tokens: int | Sequence[int], eos: set[int],
+               stop: tuple[str, ...] | Sequence[tuple[str, ...]] = (),
                follow: Callable[[int, torch.Tensor], None] | None = None) -> list[list[int]]:
-        """Greedy tokens from the pending prediction on, each fed back, until every row produced an
-        end-of-sequence token (or, single row, a `stop` string) or `max_new_tokens`. Each row's tokens run up
-        to and including its first end-of-sequence token. The last token is not fed: it is pending.
-        `follow(token, logits)` sees each chosen token (single row) with the logits that chose it, untimed."""
+        """Greedy tokens from the pending prediction on, each fed back, until every row's answer ended: at an
+        end-of-sequence token (included), at a `stop` string or after `max_new_tokens` (`stop` and
+        `max_new_tokens` per row, or one for all). A batch's rows keep decoding together: a row whose answer
+        ended is fed along (its tokens are no longer its answer) and its accounts are taken as it ended
+        (`finished`), where its own cache would have stopped. The last token is not fed: single row, it is
+        pending. `follow(token, logits)` sees each chosen token (single row) with the logits that chose it,
+        untimed."""
         if self.logits is None:
             raise RuntimeError("decode() needs a prediction: prefill, append or step first")
-        eos_ids = torch.tensor(sorted(eos) or [-1])
+        if follow is not None and self.rows != 1:
+            raise ValueError("follow() follows a single-row session")
+        limits = _per_row(max_new_tokens, self.rows)
+        stops = [stop] * self.rows if not stop or isinstance(stop[0], str) else list(stop)
         clock = Stopwatch(self.lm.devices)
         token = self.logits.argmax(-1).cpu()
         rows = [[t] for t in token.tolist()]
         first_s = clock.lap()
         if self.ttft_s is None:
             self.ttft_s = self.prefill_s + first_s
-        done = torch.isin(token, eos_ids)
+        going = [True] * self.rows
+        self._end_answers(rows, going, limits, eos, stops)
         if follow:
             follow(int(token[0]), self.logits)
-        while len(rows[0]) < max_new_tokens and not (bool(done.all()) or self._stopped(rows, stop)):
+        while any(going):
             token = self.step(token).argmax(-1).cpu()
-            for row, t in zip(rows, token.tolist(), strict=True):
-                row.append(t)
-            done |= torch.isin(token, eos_ids)
+            self.row_steps += sum(going)
+            for row, t, more in zip(rows, token.tolist(), going, strict=True):
+                if more:
+                    row.append(t)
+            self._end_answers(rows, going, limits, eos, stops)
             if follow:
                 follow(int(token[0]), self.logits)
-        rows = [_through_first(row, eos) for row in rows]
         self.generated_tokens += sum(map(len, rows))
+        self.row_generated = [done + len(row) for done, row in zip(self.row_generated, rows, strict=True)]
         self.pending = rows[0][-1:] if self.rows == 1 and rows[0][-1] not in eos else []
         return rows
 
@@ -318,7 +374,9 @@ class Session:
         same way; returns the compression seconds a copy did not spend (charged as if it had)."""
         wanted = compression_key(self.policy, self.budget)
         shared.wanted[wanted] -= 1
-        key = json.dumps([wanted, self.cache.headroom, self.cache.growth, self.cache.evict_every])
+        sizing = [self.cache.headroom, self.cache.growth] if self.cache.rows is None else \
+            [self.cache.rows.headroom.tolist(), self.cache.rows.growth.tolist()]
+        key = json.dumps([wanted, *sizing, self.cache.evict_every])
         if key in shared.compressed and not self.settings.fidelity:
             policy, cache, seconds = shared.compressed[key]
             if shared.wanted[wanted] <= 0:  # the last cell to want it takes it
@@ -375,16 +433,41 @@ class Session:
             kwargs["cache_position"] = torch.arange(length, length + ids.shape[1], device=lm.device)
         return lm.model(input_ids=ids, **kwargs).logits
 
-    def _stopped(self, rows: list[list[int]], stop: tuple[str, ...]) -> bool:
-        if not stop or self.rows != 1:
+    def _end_answers(self, rows: list[list[int]], going: list[bool], limits: list[int], eos: set[int],
+                     stops: list[tuple[str, ...]]) -> None:
+        """Mark the rows whose answer just ended (their last token); a batch keeps what each one's record reads."""
+        for index, row in enumerate(rows):
+            if going[index] and (row[-1] in eos or len(row) >= limits[index] or self._stopped(row, stops[index])):
+                going[index] = False
+                if self.rows > 1:
+                    assert self.logits is not None
+                    self.finished[index] = (self.cache.row_stats(index), self.logits[index].clone())
+
+    def _stopped(self, tokens: list[int], stop: tuple[str, ...]) -> bool:
+        if not stop:
             return False
-        text = self.lm.tokenizer.decode(rows[0], skip_special_tokens=True)
+        text = self.lm.tokenizer.decode(tokens, skip_special_tokens=True)
         return any(s in text.lstrip() for s in stop)
 
+    def _count_fed(self, new: int) -> None:
+        """Count `new` tokens about to be fed as each row's own (its left padding is not)."""
+        seen = self.seen
+        self.row_tokens_fed = [fed + max(0, seen + new - pad) - max(0, seen - pad)
+                               for fed, pad in zip(self.row_tokens_fed, self.cache.row_padding, strict=True)]
 
-def _through_first(row: list[int], eos: set[int]) -> list[int]:
-    ends = [i for i, t in enumerate(row) if t in eos]
-    return row[: ends[0] + 1] if ends else row
+
+def _per_row(value: int | Sequence[int], rows: int) -> list[int]:
+    """One value for each of `rows` rows: given per row, or one for all."""
+    if isinstance(value, int):
+        return [value] * rows
+    if len(value) != rows:
+        raise ValueError(f"{len(value)} values for {rows} rows")
+    return list(value)
+
+
+def _same_rows(shared: KVCache, cache: KVCache) -> bool:
+    """Whether a shared prefill's cache holds the rows `cache` is for (the same left padding)."""
+    return shared.row_padding == cache.row_padding
 
 
 def policy_budget(policy: Policy, settings: RunSettings, prompt_tokens: int, chunked: bool) -> int | None:
@@ -398,28 +481,38 @@ def policy_budget(policy: Policy, settings: RunSettings, prompt_tokens: int, chu
     return budget
 
 
+def compression_plan(policy: Policy, settings: RunSettings, prompt_tokens: int, chunked: bool,
+                     num_layers: int) -> tuple[int | None, tuple[int, ...] | None]:
+    """What a prompt of `prompt_tokens` is compressed to: the resolved budget and each layer's (PyramidKV caps
+    them by the prompt). Rows of one batch share it: a ratio budget over prompts of different lengths does not."""
+    budget = policy_budget(policy, settings, prompt_tokens, chunked)
+    return budget, None if budget is None else tuple(policy.layer_budgets(budget, num_layers, prompt_tokens))
+
+
 def timings(prompt_tokens: int, prefill_s: float, ttft_s: float | None, step_s: list[float],
-            generated_tokens: int, rows: int = 1) -> dict[str, Any]:
-    """The record's speed columns; `step_s` are one-token steps, each for each of `rows` sequences."""
+            generated_tokens: int, decoded: int | None = None) -> dict[str, Any]:
+    """The record's speed columns; `step_s` are one-token steps, which decoded `decoded` tokens in all (default:
+    one each; a batch's step decodes one for every row still generating)."""
     return {
         "prompt_tokens": prompt_tokens,
         "generated_tokens": generated_tokens,
         "ttft_s": ttft_s,
         "tpot_s": statistics.median(step_s) if step_s else None,
         "prefill_tok_s": prompt_tokens / prefill_s,
-        "decode_tok_s": rows * len(step_s) / sum(step_s) if step_s else None,
+        "decode_tok_s": (len(step_s) if decoded is None else decoded) / sum(step_s) if step_s else None,
     }
 
 
 def cache_measurements(cache: KVCache, memory: PeakMemory, earlier: list[PeakMemory] = (),
-                       shared: SharedPrefill | None = None) -> dict[str, Any]:
+                       shared: SharedPrefill | None = None, stats: CacheStats | None = None,
+                       row: int | None = None) -> dict[str, Any]:
     """The cache's byte accounting and the process's memory peak: the record's memory columns. `earlier` are
     the peaks of what this cache started from (a fork's parent): it peaked at least there. A cell of a `shared`
     prefill reports its own peak (what it allocated after adopting, on top of what was there before the shared
     forward) and, as `mem_group_peak_*`, the peak with the shared prefill counted; `kv_bytes_peak` counts the
     prompt's full cache it compressed from, as a cell run alone holds it, and `kv_bytes_peak_own` its own
-    buffers."""
-    stats = cache.stats()
+    buffers. A batch's `row` gives its `stats` (its own cache's accounts); the memory peaks stay the batch's."""
+    stats = cache.stats() if stats is None else stats
     memories = [memory, *earlier]
     peaks = {column: _peak(memories, name) for column, name in MEMORY_PEAKS.items()}
     own: dict[str, Any] = {}
@@ -428,8 +521,8 @@ def cache_measurements(cache: KVCache, memory: PeakMemory, earlier: list[PeakMem
         own = {column: _own_peak(peaks[column], started, shared.memory, name) for column, name in MEMORY_PEAKS.items()}
         own.update({column.replace("mem_", "mem_group_"): _peak([*memories, shared.memory], name)
                     for column, name in MEMORY_PEAKS.items()})
-        own.update(kv_bytes_peak=max(stats.kv_bytes_peak, shared.cache.stats().kv_bytes_peak),
-                   kv_bytes_peak_own=stats.kv_bytes_peak)
+        prompt = shared.cache.stats() if row is None or shared.cache.rows is None else shared.cache.row_stats(row)
+        own.update(kv_bytes_peak=max(stats.kv_bytes_peak, prompt.kv_bytes_peak), kv_bytes_peak_own=stats.kv_bytes_peak)
     return {
         **asdict(stats),
         "cache_ratio": stats.cache_ratio,
@@ -482,25 +575,55 @@ class Generation:
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # a task's own outputs (see Task.outcome)
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """One row of a batch: its context and question token ids (the question appended after compression with
+    `question: agnostic`), and how its answer ends."""
+
+    context: list[int]
+    question: list[int]
+    max_new_tokens: int
+    stop: tuple[str, ...] = ()
+
+
 def generate(lm: LoadedModel, policy: Policy, context_ids: list[int], question_ids: list[int],
              settings: RunSettings, max_new_tokens: int, stop: tuple[str, ...] = (),
              eos_token_ids: set[int] | None = None, shared: SharedPrefill | None = None) -> Generation:
     """Prefill (or adopt `shared`, a prefill of the same prompt in `full` mode), compress, decode greedily."""
+    return generate_rows(lm, policy, [Prompt(context_ids, question_ids, max_new_tokens, stop)], settings,
+                         eos_token_ids, shared)[0]
+
+
+def generate_rows(lm: LoadedModel, policy: Policy, prompts: list[Prompt], settings: RunSettings,
+                  eos_token_ids: set[int] | None = None, shared: SharedPrefill | None = None) -> list[Generation]:
+    """`generate` for several prompts at once, left-padded into one batch (`shared`: a shared prefill of these
+    prompts, in this order): each row's answer and its record's columns as `generate` gives them for the prompt
+    alone, but for the times and memory peaks, which are the batch's (`Session.measurements`). Every row must
+    resolve the budget alike (`compression_plan`), and with `question: agnostic` their questions (appended
+    together after compression) must be of one length."""
     agnostic = settings.question == "agnostic"
     eos = lm.eos_token_ids if eos_token_ids is None else eos_token_ids
+    single = len(prompts) == 1
+    if agnostic and len({len(p.question) for p in prompts}) > 1:
+        raise ValueError("the rows of an agnostic batch append questions of one length")
+    fed = [p.context if agnostic else p.context + p.question for p in prompts]
+    ids, padding = (fed[0], None) if single else left_padded(lm, fed)
 
     def session_of(policy: Policy, observers: list[Policy] | None = None) -> Session:
-        return Session(lm, policy, settings, prompt_tokens=len(context_ids) + len(question_ids),
-                       arrival=len(question_ids) if agnostic else 1, observers=observers,
-                       growth=max_new_tokens + (len(question_ids) if agnostic else 0))
+        return Session(lm, policy, settings, prompt_tokens=[len(p.context) + len(p.question) for p in prompts],
+                       arrival=[len(p.question) if agnostic else 1 for p in prompts], observers=observers,
+                       growth=[p.max_new_tokens + (len(p.question) if agnostic else 0) for p in prompts],
+                       left_padding=padding)
 
     def prefill(session: Session) -> None:
-        session.prefill(context_ids if agnostic else context_ids + question_ids, shared=shared)
-        if agnostic and question_ids:
-            session.append(question_ids)
+        session.prefill(ids, shared=shared)
+        if agnostic and prompts[0].question:
+            session.append(prompts[0].question if single else torch.tensor([p.question for p in prompts]))
 
     follower, observers = None, None
     if settings.fidelity:  # the full-cache reference, fed the same prompt (free with a shared prefill)
+        if not single:
+            raise ValueError("fidelity follows one prompt at a time")
         from kvbench.fidelity import AttentionRecorder, Follower
         from kvbench.policies.full import Full
 
@@ -511,25 +634,39 @@ def generate(lm: LoadedModel, policy: Policy, context_ids: list[int], question_i
     session = session_of(policy, observers)
     with session:
         prefill(session)
-        tokens = session.decode(max_new_tokens, eos, stop, follow=follower)[0]
-    tokens = tokens[:-1] if tokens[-1] in eos else tokens
-    text = lm.tokenizer.decode(tokens, skip_special_tokens=True)
-    measured = {**session.measurements(), **(follower.measurements() if follower else {})}
-    return Generation(_cut(text, stop), tokens, session.logits, measured)
+        answers = session.decode([p.max_new_tokens for p in prompts], eos, [p.stop for p in prompts],
+                                 follow=follower)
+    generations = []
+    for row, (prompt, tokens) in enumerate(zip(prompts, answers, strict=True)):
+        tokens = tokens[:-1] if tokens[-1] in eos else tokens
+        text = lm.tokenizer.decode(tokens, skip_special_tokens=True)
+        if single:
+            measured = {**session.measurements(), **(follower.measurements() if follower else {})}
+            logits = session.logits
+        else:
+            measured, logits = session.measurements(row), session.row_logits(row)[None]
+        generations.append(Generation(_cut(text, prompt.stop), tokens, logits, measured))
+    return generations
+
+
+def left_padded(lm: LoadedModel, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[rows, longest]` ids, each prompt left-padded to the longest, and each row's padding `[rows]`."""
+    longest = max(map(len, prompts))
+    pad_id = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
+    padding = torch.tensor([longest - len(p) for p in prompts])
+    return torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts]), padding
 
 
 def generate_batch(lm: LoadedModel, policy: Policy, prompts: list[list[int]], settings: RunSettings,
                    max_new_tokens: int, eos_token_ids: set[int] | None = None,
                    ) -> tuple[list[list[int]], dict[str, Any]]:
     """Greedy decoding of several prompts in one cache: left-padded to the longest (padding is masked, evicted
-    first and never counted as kept), one budget for every row so the cache stays rectangular. Returns each
-    row's tokens (up to its end of sequence) and the run's measurements."""
-    longest = max(map(len, prompts))
-    pad_id = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
-    padding = torch.tensor([longest - len(p) for p in prompts])
-    ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts])
+    first and never counted as kept), the budget resolved against the longest. Returns each row's tokens (up to
+    its end of sequence) and the whole batch's measurements (its cache's bytes over every row: what a capacity
+    search fits into memory)."""
+    ids, padding = left_padded(lm, prompts)
     eos = lm.eos_token_ids if eos_token_ids is None else eos_token_ids
-    session = Session(lm, policy, settings, prompt_tokens=longest, growth=max_new_tokens, left_padding=padding)
+    session = Session(lm, policy, settings, prompt_tokens=ids.shape[1], growth=max_new_tokens, left_padding=padding)
     with session:
         session.prefill(ids)
         rows = session.decode(max_new_tokens, eos)
@@ -537,19 +674,31 @@ def generate_batch(lm: LoadedModel, policy: Policy, prompts: list[list[int]], se
     return rows, {**session.measurements(), "batch": len(prompts)}
 
 
-def shared_prefill(lm: LoadedModel, ids: list[int], observers: list[Policy],
+def shared_prefill(lm: LoadedModel, ids: list[int] | list[list[int]], observers: list[Policy],
                    settings: list[RunSettings] | None = None) -> SharedPrefill:
-    """The prompt's forward once, gathering every `observers` policy's statistics, for cells to adopt."""
+    """The prompt's forward once (or a batch's prompts, left-padded into one forward), gathering every
+    `observers` policy's statistics, for cells to adopt. `settings`, paired with `observers`, are those of the
+    cells that will adopt it: the ones that compress it alike then compress it once."""
     from kvbench.policies.full import Full
 
-    session = Session(lm, Full(), RunSettings(), prompt_tokens=len(ids), growth=0, observers=observers)
+    prompts = [row for row in ids if isinstance(row, list)] or [ids]
+    batch = left_padded(lm, prompts) if len(prompts) > 1 else None
+    session = Session(lm, Full(), RunSettings(), prompt_tokens=[len(p) for p in prompts], growth=0,
+                      observers=observers, left_padding=None if batch is None else batch[1])
     with session:
-        session.prefill(ids)
-    wanted: Counter[str] = Counter()
-    for policy, setting in zip(observers, settings or [], strict=False):
-        with contextlib.suppress(KvbenchError):  # a cell that cannot run this budget fails on its own
-            wanted[compression_key(policy, policy_budget(policy, setting, len(ids), chunked=False))] += 1
+        session.prefill(ids if batch is None else batch[0])
+    wanted = wanted_compressions(list(zip(observers, settings or [], strict=False)), len(prompts[0]))
     return SharedPrefill(session.cache, session.logits, session.prefill_s, session.memory, wanted)
+
+
+def wanted_compressions(users: Sequence[tuple[Policy, RunSettings]], prompt_tokens: int) -> Counter[str]:
+    """How many of the cells that adopt a shared prefill (each its policy and settings) compress it each way: the
+    first of those that compress alike keeps its result for the others to copy."""
+    wanted: Counter[str] = Counter()
+    for policy, setting in users:
+        with contextlib.suppress(KvbenchError):  # a cell that cannot run this budget fails on its own
+            wanted[compression_key(policy, policy_budget(policy, setting, prompt_tokens, chunked=False))] += 1
+    return wanted
 
 
 def _cut(text: str, stop: tuple[str, ...]) -> str:

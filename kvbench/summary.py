@@ -185,6 +185,9 @@ def _row(cell_id: str, records: list[dict[str, Any]], status: dict[str, Any] | N
             row[f"{measure}_ci_low"], row[f"{measure}_ci_high"] = bootstrap_ci(present)
     tokens = [r["budget_tokens"] for r in records if r.get("budget_tokens") is not None]
     row["budget_tokens"] = float(np.mean(tokens)) if tokens else float("nan")
+    # the most samples it decoded together: its ttft_s, tpot_s and tokens/s are that batch's (records before
+    # batching decoded one)
+    row["batch_size"] = max((r.get("batch_size") or 1 for r in records), default=float("nan"))
     if status and status.get("message"):
         row["message"] = status["message"]
     return row
@@ -260,10 +263,12 @@ def _markdown_tables(frame: pd.DataFrame, heading: str) -> list[str]:
             ["task", "context_length", "question", "prefill"], sort=False):
         direction = "" if group["higher_is_better"].all() else " (score: lower is better)"
         pressure = (group["memory"] != "-").any()  # memory-pressure cells: say under which condition
+        batched = (group["batch_size"] > 1).any()  # times of a batch: say which batch size each cell's are
         lines += [f"## {heading}{task}, {length} tokens, question {question}, prefill {prefill}{direction}", "",
                   "| policy | params | budget |" + (" memory |" if pressure else "") + " n | score | delta vs full | "
-                  "cache ratio | kv peak MiB | ttft s | tpot ms | status |",
-                  "|---|---|---|" + ("---|" if pressure else "") + "---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "cache ratio | kv peak MiB | ttft s | tpot ms |" + (" batch |" if batched else "") + " status |",
+                  "|---|---|---|" + ("---|" if pressure else "") + "---:|---:|---:|---:|---:|---:|---:|"
+                  + ("---:|" if batched else "") + "---|"]
         for _, r in group.iterrows():
             delta = "" if pd.isna(r["delta_vs_full"]) else \
                 f"{r['delta_vs_full']:+.2f} [{r['delta_ci_low']:+.2f}, {r['delta_ci_high']:+.2f}]"
@@ -273,7 +278,11 @@ def _markdown_tables(frame: pd.DataFrame, heading: str) -> list[str]:
                 f"| {r['policy']} | {r['params']} | {r['budget']} |" + (f" {r['memory']} |" if pressure else "")
                 + f" {r['n']} | {score} | {delta} | "
                 f"{_num(r['cache_ratio'], '.3f')} | {_num(r['kv_bytes_peak'] / 2**20, '.1f')} | "
-                f"{_num(r['ttft_s'], '.2f')} | {_num(r['tpot_s'] * 1000, '.0f')} | {r['status']} |")
+                f"{_num(r['ttft_s'], '.2f')} | {_num(r['tpot_s'] * 1000, '.0f')} |"
+                + (f" {_num(r['batch_size'], '.0f')} |" if batched else "") + f" {r['status']} |")
+        if batched:
+            lines += ["", "ttft and tpot are each batch's (every sample of a batch waits them); speeds of cells of "
+                          "different batch sizes do not compare."]
         lines.append("")
     return lines
 

@@ -29,10 +29,12 @@ from kvbench.estimate import parse_bytes
 from kvbench.measure import memory_pressure, tracing
 from kvbench.models import LoadedModel, load_model
 from kvbench.policies import POLICIES, Policy
+from kvbench.policies.base import batch_limit
 from kvbench.results import RunFolder, now, union_models
-from kvbench.runner import compressed_prompt, evaluate, repeat_timed
-from kvbench.session import RunSettings, SharedPrefill, shared_prefill
+from kvbench.runner import compressed_prompt, evaluate, evaluate_rows, repeat_timed
+from kvbench.session import RunSettings, SharedPrefill, compression_plan, shared_prefill, wanted_compressions
 from kvbench.tasks import TASKS, Sample, Task
+from kvbench.tasks.base import encode_prompt
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,7 @@ class ModelLoader:
     def __init__(self, config: SweepConfig) -> None:
         self._configs = {(model.id, model.dtype): model for model in config.model_grid()}
         self._seed = config.seed
+        self.batch_size = config.batch_size
         self._held: tuple[tuple[str, str], LoadedModel] | None = None
 
     def load(self, model: tuple[str, str]) -> LoadedModel:
@@ -217,6 +220,8 @@ def manifest(config: SweepConfig, cells: list[Cell], model: dict[str, Any], mach
         "models": [model],
         "environment": machine,
         "executor": executor,
+        # how many samples ran together, and the cells that ran fewer (one line each)
+        "batching": batching(cells, config.batch_size),
         "seed": config.seed,
         "started": now(),
     }
@@ -333,7 +338,8 @@ def run_sweep(models: ModelLoader, folder: RunFolder, cells: list[Cell], progres
     with Interrupt() as interrupt:
         for model, model_cells in by_model.items():
             progress.model = " ".join(model) if several else ""
-            completed = _run_model(models, model_cells, done, outcomes, share, trace, lambda: interrupt.requested)
+            completed = _run_model(models, model_cells, done, outcomes, share, trace, lambda: interrupt.requested,
+                                   models.batch_size)
             models.free()
             if not completed:
                 return False
@@ -341,7 +347,7 @@ def run_sweep(models: ModelLoader, folder: RunFolder, cells: list[Cell], progres
 
 
 def _run_model(models: ModelLoader, cells: list[Cell], done: set[tuple[str, str]], outcomes: Outcomes,
-               share: bool, trace: bool, stop: Callable[[], bool]) -> bool:
+               share: bool, trace: bool, stop: Callable[[], bool], batch_size: int = 1) -> bool:
     """One model's cells, sample group by sample group."""
     lm = load_or_fail(models, cells, outcomes)
     if lm is None:
@@ -350,7 +356,7 @@ def _run_model(models: ModelLoader, cells: list[Cell], done: set[tuple[str, str]
     for cell in cells:
         groups.setdefault(cell.group, []).append(cell)
     # stops at the first group an interrupt cut short
-    return all(run_group(lm, group, done, outcomes, share, trace, stop) for group in groups.values())
+    return all(run_group(lm, group, done, outcomes, share, trace, stop, batch_size) for group in groups.values())
 
 
 def load_or_fail(models: ModelLoader, cells: list[Cell], outcomes: Outcomes) -> LoadedModel | None:
@@ -370,9 +376,11 @@ def load_or_fail(models: ModelLoader, cells: list[Cell], outcomes: Outcomes) -> 
 
 
 def run_group(lm: LoadedModel, cells: list[Cell], done: set[tuple[str, str]], outcomes: Outcomes, share: bool,
-              trace: bool, stop: Callable[[], bool]) -> bool:
+              trace: bool, stop: Callable[[], bool], batch_size: int = 1) -> bool:
     """Run the unrecorded samples of a sample group's cells (or of any subset of one) on `lm`, sending each record
-    and final cell status to `outcomes`; False if `stop()` cut it short between two samples."""
+    and final cell status to `outcomes`; False if `stop()` cut it short between two runs. Samples go `batch_size`
+    at a time (`sample_batches`): one shared prompt forward for the batch, then each cell runs its rows of it
+    together where it can (`row_batches`), one at a time where it cannot."""
     first = cells[0].description
     failed: dict[str, dict[str, Any]] = {}
     try:
@@ -383,45 +391,155 @@ def run_group(lm: LoadedModel, cells: list[Cell], done: set[tuple[str, str]], ou
             outcomes.cell(_failure(cell, exc), str(exc) if index == 0 else None)  # told once for the group
         return True
     started = {cell.id: time.perf_counter() for cell in cells}
-    for sample in samples:
-        todo = [c for c in cells if (c.id, sample.id) not in done and c.id not in failed]
-        shared = None
+    for batch in sample_batches(samples, batch_size):
+        todo = {c.id: [s for s in batch if (c.id, s.id) not in done] for c in cells if c.id not in failed}
+        sizes = prompt_sizes(lm, batch) if len(batch) > 1 else {}  # tokenized once for every cell
+        runs = {c.id: row_batches(c, todo[c.id], sizes, lm.num_layers) for c in cells if todo.get(c.id)}
+        prefills = None
         if share and task.shares_prefill:
             try:
-                shared = _shared(lm, todo, sample, first["question"])
-            except Exception as exc:  # the prompt's forward failed (out of memory): each cell it served fails
-                for cell in [c for c in todo if _sharable(c)]:
+                prefills = _BatchPrefill.of(lm, [c for c in cells if c.id in runs], runs, batch, first["question"])
+            except Exception as exc:  # the prompts' forward failed (out of memory): each cell it served fails
+                for cell in [c for c in cells if c.id in runs and _sharable(c)]:
                     _fail(outcomes, failed, cell, exc)
-            if any(c.id in failed for c in todo):
+            if failed:
                 _release_cached_memory()  # after the failed forward's tensors went with its traceback
-                todo = [c for c in todo if c.id not in failed]
-        for cell in todo:
-            if stop():
-                return False
-            outcomes.running(f"{cell.label} {sample.id}")
-            try:
-                with tracing() if trace else contextlib.nullcontext() as traces, \
-                        memory_pressure(lm.devices, **cell.description["memory"]) if "memory" in cell.description \
-                        else contextlib.nullcontext() as kv_limit:
-                    run = functools.partial(evaluate, lm, task, cell.policy(), sample, cell.settings(kv_limit),
-                                            cell.description["context_length"], cell.description["seed"],
-                                            shared=shared if _sharable(cell) else None)
-                    timing = cell.description.get("timing")
-                    record = repeat_timed(run, **timing) if timing else run()
-            except Exception as exc:  # one failing cell never stops the sweep
-                _fail(outcomes, failed, cell, exc)
-            if cell.id in failed:
-                _release_cached_memory()  # now that the failed cell's tensors went with its traceback
-                continue
-            # the dtype the weights ran in (`auto` resolved), beside the record's `model`
-            outcomes.record({"cell_id": cell.id, "cell": cell.description, **record,
-                             "dtype": str(lm.dtype).removeprefix("torch.")}, traces if trace else None)
-        del shared
+        for cell in cells:
+            for rows in runs.get(cell.id, []) if cell.id not in failed else []:
+                if stop():
+                    return False
+                outcomes.running(f"{cell.label} {rows[0].id}" + (f" (+{len(rows) - 1})" if len(rows) > 1 else ""))
+                try:
+                    shared = prefills.rows(rows) if prefills is not None and _sharable(cell) else None
+                    records = _run_rows(lm, task, cell, rows, shared, trace)
+                except Exception as exc:  # one failing cell never stops the sweep
+                    _fail(outcomes, failed, cell, exc)
+                finally:
+                    shared = None  # this loop's reference too: a part no other cell runs is freed now
+                    if prefills is not None and _sharable(cell):
+                        prefills.served(cell, rows)
+                if cell.id in failed:
+                    _release_cached_memory()  # now that the failed cell's tensors went with its traceback
+                    break
+                for record, traces in records:
+                    # the dtype the weights ran in (`auto` resolved), beside the record's `model`
+                    outcomes.record({"cell_id": cell.id, "cell": cell.description, **record,
+                                     "dtype": str(lm.dtype).removeprefix("torch.")}, traces if trace else None)
+        del prefills
     for cell in cells:
         if cell.id not in failed:
             outcomes.cell({"cell_id": cell.id, "cell": cell.description, "status": "ok", "samples": len(samples),
                            "seconds": round(time.perf_counter() - started[cell.id], 3), "finished": now()}, None)
     return True
+
+
+def sample_batches(samples: list[Sample], batch_size: int) -> list[list[Sample]]:
+    """A sample group's samples `batch_size` at a time, in their order: a cell that fails at a sample has then
+    recorded the samples before it, as at batch 1."""
+    return [samples[start : start + batch_size] for start in range(0, len(samples), batch_size)]
+
+
+def prompt_sizes(lm: LoadedModel, samples: list[Sample]) -> dict[str, tuple[int, int]]:
+    """Each sample's (context, question) length in tokens, by sample id."""
+    encoded = {sample.id: encode_prompt(lm.tokenizer, sample) for sample in samples}
+    return {sample_id: (len(context), len(question)) for sample_id, (context, question) in encoded.items()}
+
+
+def row_batches(cell: Cell, samples: list[Sample], sizes: dict[str, tuple[int, int]],
+                num_layers: int) -> list[list[Sample]]:
+    """How `cell` runs these samples of a batch (`sizes`: their `prompt_sizes`): together, as far as its rows can
+    evict as each would alone. Rows run together when they resolve the budget alike (`compression_plan`: a ratio
+    of prompts of different lengths does not) and append questions of one length after compression (`question:
+    agnostic`); a chunked prefill, or a policy limited to rows of one length (`batch_limit`), needs rows of one
+    prompt and answer length. A task, cell or policy that cannot batch at all (`batching_note`) runs each sample
+    alone."""
+    if len(samples) < 2 or not _batches(cell):
+        return [[sample] for sample in samples]
+    policy, settings = cell.policy(), cell.settings()
+    limit = batch_limit(policy)
+    chunked, agnostic = settings.prefill == "chunked", settings.question == "agnostic"
+    together: dict[str, list[Sample]] = {}
+    for sample in samples:
+        context, question = sizes[sample.id]
+        try:
+            plan = compression_plan(policy, settings, context + question, chunked, num_layers)
+        except KvbenchError:  # a sample this cell cannot run: one at a time, so it fails the cell where alone would
+            return [[sample] for sample in samples]
+        key: list[Any] = [plan, question if agnostic else None]
+        if chunked or limit is not None:  # no padding: rows alike in every length
+            key += [context, question, settings.max_new_tokens or sample.max_new_tokens]
+        together.setdefault(json.dumps(key), []).append(sample)
+    return list(together.values())
+
+
+def batching_note(cell: Cell) -> str | None:
+    """Why `cell` runs its samples one at a time whatever the batch size, or batches only samples of one length
+    (one line); None: its samples batch."""
+    alone = _alone(cell)
+    if alone is not None:
+        return alone
+    limit = batch_limit(cell.policy())
+    if limit is None:
+        return None
+    how = "runs each sample alone" if limit.rows == "alone" else "batches only samples of one prompt length"
+    return f"{_policy_label(cell)} {how}: {limit.reason}"
+
+
+def _alone(cell: Cell) -> str | None:
+    """Why `cell` runs each sample alone whatever its policy, or None."""
+    d = cell.description
+    task = cell_task(cell)
+    if not task.batches:
+        return f"task '{task.name}' runs each sample its own way, one at a time"
+    if "timing" in d:
+        return "speed cells (timing:) time each sample alone"
+    if "memory" in d:
+        return "memory-pressure cells run each sample alone under their memory condition"
+    if "fidelity" in d.get("diagnostics", ()):
+        return "fidelity diagnostics follow each sample's full cache alone"
+    return None
+
+
+def _batches(cell: Cell) -> bool:
+    """Whether `cell` may run several samples together (some, where its policy needs rows of one length)."""
+    limit = batch_limit(cell.policy())
+    return _alone(cell) is None and (limit is None or limit.rows != "alone")
+
+
+def batching(cells: list[Cell], batch_size: int) -> dict[str, Any]:
+    """The manifest's `batching`: the batch size and one line for each kind of cell that batches less."""
+    return {"batch_size": batch_size,
+            "fallback": sorted({note for cell in cells if (note := batching_note(cell))} if batch_size > 1 else ())}
+
+
+def _policy_label(cell: Cell) -> str:
+    policy = cell.description["policy"]
+    params = ",".join(f"{k}={v}" for k, v in policy["params"].items())
+    return f"{policy['name']}{f'({params})' if params else ''}"
+
+
+def _run_rows(lm: LoadedModel, task: Task, cell: Cell, rows: list[Sample], shared: SharedPrefill | None,
+              trace: bool) -> list[tuple[dict[str, Any], list[dict[str, Any]] | None]]:
+    """The records of `cell` on `rows` run together (one alone: its memory condition, its timing repeats), each
+    with the memory time series when tracing. A batch that does not fit runs its rows one at a time."""
+    d = cell.description
+    if len(rows) > 1:
+        try:
+            with tracing() if trace else contextlib.nullcontext() as traces:
+                records = evaluate_rows(lm, task, cell.policy(), rows, cell.settings(), d["context_length"],
+                                        d["seed"], shared=shared)
+            return [(record, traces) for record in records]
+        except torch.OutOfMemoryError:
+            _release_cached_memory()
+        return [result for index, sample in enumerate(rows)
+                for result in _run_rows(lm, task, cell, [sample], None if shared is None else shared.select([index]),
+                                        trace)]
+    with tracing() if trace else contextlib.nullcontext() as traces, \
+            memory_pressure(lm.devices, **d["memory"]) if "memory" in d else contextlib.nullcontext() as kv_limit:
+        run = functools.partial(evaluate, lm, task, cell.policy(), rows[0], cell.settings(kv_limit),
+                                d["context_length"], d["seed"], shared=shared)
+        timing = d.get("timing")
+        return [(repeat_timed(run, **timing) if timing else run(), traces)]
 
 
 def _sharable(cell: Cell) -> bool:
@@ -431,12 +549,50 @@ def _sharable(cell: Cell) -> bool:
     return d["prefill"]["mode"] == "full" and "timing" not in d and "memory" not in d
 
 
-def _shared(lm: LoadedModel, cells: list[Cell], sample: Sample, question: str) -> SharedPrefill | None:
-    users = [cell for cell in cells if _sharable(cell)]
-    if not users:
-        return None
-    return shared_prefill(lm, compressed_prompt(lm, sample, question), [cell.policy() for cell in users],
-                          [cell.settings() for cell in users])
+class _BatchPrefill:
+    """A batch's one shared prompt forward (over the samples its sharing cells run), and the parts of it that
+    cells running only some of those rows together start from (`SharedPrefill.select`)."""
+
+    def __init__(self, whole: SharedPrefill, samples: list[Sample], users: dict[tuple[str, ...], list[Cell]]) -> None:
+        self.whole, self.samples, self.users = whole, samples, users
+        self.parts: dict[tuple[str, ...], SharedPrefill] = {}
+        self.waiting = {key: len(cells) for key, cells in users.items()}  # cells yet to run each part
+
+    @classmethod
+    def of(cls, lm: LoadedModel, cells: list[Cell], runs: dict[str, list[list[Sample]]], batch: list[Sample],
+           question: str) -> _BatchPrefill | None:
+        sharing = [cell for cell in cells if _sharable(cell)]
+        wanted = {s.id for cell in sharing for rows in runs[cell.id] for s in rows}
+        samples = [sample for sample in batch if sample.id in wanted]
+        if not samples:
+            return None
+        users: dict[tuple[str, ...], list[Cell]] = {}
+        for cell in sharing:
+            for rows in runs[cell.id]:
+                users.setdefault(tuple(s.id for s in rows), []).append(cell)
+        prompts = [compressed_prompt(lm, sample, question) for sample in samples]
+        whole = shared_prefill(lm, prompts[0] if len(prompts) == 1 else prompts, [cell.policy() for cell in sharing])
+        key = tuple(s.id for s in samples)
+        whole.wanted = wanted_compressions([(c.policy(), c.settings()) for c in users.get(key, [])], len(prompts[0]))
+        return cls(whole, samples, users)
+
+    def rows(self, rows: list[Sample]) -> SharedPrefill:
+        """The shared prefill of `rows` (run together, in this order)."""
+        key = tuple(s.id for s in rows)
+        if key == tuple(s.id for s in self.samples):
+            return self.whole
+        if key not in self.parts:
+            ids = [s.id for s in self.samples]
+            self.parts[key] = self.whole.select([ids.index(s.id) for s in rows],
+                                                [(c.policy(), c.settings()) for c in self.users.get(key, [])])
+        return self.parts[key]
+
+    def served(self, cell: Cell, rows: list[Sample]) -> None:
+        """`cell` ran `rows`: a part no other cell will run is freed (a copy of some rows' prompt cache)."""
+        key = tuple(s.id for s in rows)
+        self.waiting[key] = self.waiting.get(key, 1) - 1
+        if self.waiting[key] <= 0:
+            self.parts.pop(key, None)
 
 
 def _fail(outcomes: Outcomes, failed: dict[str, dict[str, Any]], cell: Cell, exc: Exception) -> None:
@@ -474,16 +630,18 @@ def _failure(cell: Cell, exc: Exception) -> dict[str, Any]:
 FLOPS = {"cuda": 2e14, "cpu": 1.2e11}
 
 
-def estimate_seconds(cells: list[Cell], parameters: int, device: torch.device, share: bool) -> float:
+def estimate_seconds(cells: list[Cell], parameters: int, device: torch.device, share: bool,
+                     batch_size: int = 1) -> float:
     """A rough wall-time guess for one model's cells from its size: a prompt token costs 2 x parameters FLOPs at an
-    assumed throughput (1.2e11 FLOP/s on 2 CPU cores: the ~450 prompt tokens/s measured for 135M parameters);
-    a decoded token, bound by memory and latency, about 40 times more (~90 ms there)."""
-    return token_work(cells, share) * 2 * parameters / FLOPS[device.type]
+    assumed throughput (`FLOPS`: 1.2e11 FLOP/s on 2 CPU cores, the ~450 prompt tokens/s measured for 135M
+    parameters); a decode step, bound by memory and latency, about 40 times more (~90 ms there), for a batch's rows
+    as for one."""
+    return token_work(cells, share, batch_size) * 2 * parameters / FLOPS[device.type]
 
 
-def token_work(cells: list[Cell], share: bool) -> float:
+def token_work(cells: list[Cell], share: bool, batch_size: int = 1) -> float:
     """What `estimate_seconds` weighs, in prompt-token equivalents: the prompt tokens run (once per sample group
-    where the prompt's forward is shared) plus 40 per decoded token."""
+    where the prompt's forward is shared) plus 40 per decode step (one for the rows of a batch)."""
     work, prompts_run = 0.0, set()
     for cell in cells:
         d = cell.description
@@ -493,7 +651,8 @@ def token_work(cells: list[Cell], share: bool) -> float:
         if not (share and task.shares_prefill and _sharable(cell) and cell.group in prompts_run):
             work += prompt * samples
         prompts_run.add(cell.group)
-        work += decoded * samples * 40
+        rows = batch_size if batch_size > 1 and _batches(cell) else 1
+        work += decoded * -(-samples // rows) * 40
     return work
 
 

@@ -7,7 +7,7 @@ import psutil
 import torch
 
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Wrapper, register
+from kvbench.policies.base import BatchLimit, Wrapper, register
 
 
 @register
@@ -43,6 +43,10 @@ class Adaptive(Wrapper):
                 return False
             self._switched_at = cache.layers[0].seen
         return super().active(cache)
+
+    def batch_limits(self) -> list[BatchLimit]:
+        return [*super().batch_limits(),
+                BatchLimit("alone", "policy 'adaptive' switches when its whole cache reaches the limit")]
 
     def report(self) -> dict[str, Any]:
         return {**super().report(), "switched_at_token": self._switched_at, "limit_bytes": self._limit}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 import torch
 
@@ -26,6 +26,15 @@ if TYPE_CHECKING:
 
 PHASES = ("prefill", "decode")
 HookScope = Literal["active", "first", "all"]
+
+
+class BatchLimit(NamedTuple):
+    """What keeps a policy's rows of a batch from evicting as each would alone: `rows` "equal" (it batches
+    only rows of one prompt length, which need no padding) or "alone" (it runs one sequence at a time), and why,
+    in one line."""
+
+    rows: Literal["equal", "alone"]
+    reason: str
 
 
 def hook(scope: HookScope) -> Callable[[Callable], Callable]:
@@ -114,6 +123,12 @@ class Policy:
     def report(self) -> dict[str, Any]:
         """Events a record should carry (e.g. when an adaptive policy switched)."""
         return {}
+
+    @hook("all")
+    def batch_limits(self) -> list[BatchLimit]:
+        """What keeps this policy from running rows of any lengths in one left-padded batch ([] for nothing):
+        state that spans the rows, or scores that follow where a row's entries lie in the slots."""
+        return []
 
     @hook("all")
     def check_settings(self, chunked: bool) -> None:
@@ -278,6 +293,18 @@ def _combined(results: list[Any]) -> Any:
 
 for _name, _scope in hooks().items():
     setattr(Wrapper, _name, _forwarding(_name, _scope))
+
+
+def batch_limit(policy: Policy) -> BatchLimit | None:
+    """The strictest of `policy`'s batch limits (its stages' included), or None: it batches any rows."""
+    limits = policy.batch_limits()
+    if policy.layout() is not None and policy.phases:  # which entries each row keeps in which tier: its own
+        limits.append(BatchLimit("alone", f"policy '{policy.name}' evicts from compressed storage, whose tiers are "
+                                          "kept for one sequence"))
+    elif policy.layout() is not None:  # every row holds every token alike: the batch's bytes are the rows' sum
+        limits.append(BatchLimit("equal", f"policy '{policy.name}' stores entries in tiers by position, which a "
+                                          "batch's rows share only at one length"))
+    return min(limits, key=lambda limit: limit.rows != "alone", default=None)
 
 
 def recent_mask(layer: LayerKV, count: int) -> torch.Tensor:

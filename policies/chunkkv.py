@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Rescorer, register
+from kvbench.policies.base import BatchLimit, Rescorer, register
 
 
 @register
@@ -37,6 +37,12 @@ class ChunkKV(Rescorer):
         if self.whole_chunks and self.evicts_during_decode:
             raise KvbenchError(f"policy 'chunkkv': whole_chunks compresses the prompt once; base "
                                f"'{self._stages[0].name}' evicts while decoding")
+
+    def batch_limits(self) -> list[BatchLimit]:
+        if not self.evicts_during_decode:  # a batch hands it each row's prompt as the row holds it alone
+            return super().batch_limits()
+        return [*super().batch_limits(), BatchLimit("equal", "policy 'chunkkv' cuts chunks from the slots in position "
+                                                             "order, a row's padding included, while decoding")]
 
     def score(self, layer, budget: int) -> torch.Tensor:
         scores, order = self._base_scores(layer, budget)

@@ -2,25 +2,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
 from kvbench.attention import queries_per_chunk
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import Policy, protect, register
+from kvbench.rows import rows_of
 
 
 @dataclass
 class QueryMoments:
     """A layer's query statistics, pre-RoPE, per query head: the prompt's count, sum and sum of outer products
-    (`[B, H]`, `[B, H, D]`, `[B, H, D, D]`, float32), and for decoding a ring of the newest queries."""
+    (`[B, H]`, `[B, H, D]`, `[B, H, D, D]`, float32), and for decoding a ring of the newest queries with, per row,
+    how many it was given (a batch's rows fill theirs from prompts of different lengths)."""
 
     count: torch.Tensor
     total: torch.Tensor
     outer: torch.Tensor
     scaling: float
-    recent: torch.Tensor | None = None  # [B, H, query_buffer, D]
-    recent_seen: int = 0
+    recent: torch.Tensor | None = None  # [B, H, query_buffer + 1, D]: the last cell a spare for uncounted queries
+    recent_seen: np.ndarray | None = None  # [B] on the host
 
 
 @register
@@ -86,20 +89,14 @@ class ExpectedAttention(Policy):
             moments.count += counted.sum(dim=1)[:, None]
             moments.total += kept.sum(dim=2)
             moments.outer += kept.transpose(-1, -2) @ kept
-        if self.decode:
-            _remember(moments, plain[:, :, counted.all(dim=0)][:, :, -self.query_buffer :], self.query_buffer)
+        if self.decode:  # each row's counted queries are its newest: the next position (host) says how many
+            next_positions = layer.seen - np.array(layer.owner.row_padding)
+            counted_queries = np.clip(next_positions - self.n_sink, 0, query.shape[2])
+            _remember(moments, plain, counted_queries, self.query_buffer)
 
     def score(self, layer, budget: int) -> torch.Tensor:
         moments = layer.layer_stats[self.state_key]
-        if layer.owner.phase == "prefill" or moments.recent_seen < 2:
-            count = moments.count.clamp(min=1)[..., None]
-            mean = moments.total / count
-            covariance = moments.outer / count[..., None] - mean[..., :, None] * mean[..., None, :]
-        else:
-            held = moments.recent[:, :, : min(moments.recent_seen, self.query_buffer)]
-            mean = held.mean(dim=2)
-            centered = held - mean[:, :, None]
-            covariance = centered.transpose(-1, -2) @ centered / held.shape[2]
+        mean, covariance = self._moments(moments, layer.owner.phase == "prefill")
         rotation = self._future_rotation(layer, mean)  # [B, D, D]
         mean = torch.einsum("bed,bhd->bhe", rotation, mean)
         covariance = torch.einsum("bed,bhdf,bgf->bheg", rotation, covariance, rotation)
@@ -107,6 +104,25 @@ class ExpectedAttention(Policy):
         if self.use_vnorm:
             scores = (scores + self.epsilon) * layer.live_values().float().norm(dim=-1)
         return protect(scores, layer.live_positions() < self.n_sink)
+
+    def _moments(self, moments: QueryMoments, prefill: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's query mean `[B, H, D]` and covariance `[B, H, D, D]`: the prompt's, or while decoding its ring's
+        (once it holds two queries); rows whose rings hold different counts, one at a time."""
+        seen = np.zeros(moments.count.shape[0], dtype=np.int64) if moments.recent_seen is None else moments.recent_seen
+        kinds = {(prefill or int(rows) < 2, min(int(rows), self.query_buffer)) for rows in seen}
+        if len(kinds) > 1:
+            parts = [self._moments(rows_of(moments, slice(row, row + 1)), prefill) for row in range(len(seen))]
+            return torch.cat([mean for mean, _ in parts]), torch.cat([covariance for _, covariance in parts])
+        (from_prompt, held_count), = kinds
+        if from_prompt:
+            count = moments.count.clamp(min=1)[..., None]
+            mean = moments.total / count
+            return mean, moments.outer / count[..., None] - mean[..., :, None] * mean[..., None, :]
+        assert moments.recent is not None
+        held = moments.recent[:, :, :held_count]
+        mean = held.mean(dim=2)
+        centered = held - mean[:, :, None]
+        return mean, centered.transpose(-1, -2) @ centered / held.shape[2]
 
     def _future_rotation(self, layer, like: torch.Tensor) -> torch.Tensor:
         """RoPE's rotation matrix averaged over the next `n_future_positions` positions, per row `[B, D, D]`."""
@@ -152,11 +168,18 @@ def _query_positions(layer, count: int) -> torch.Tensor:
     return _next_positions(layer) - count + torch.arange(count, device=layer.device)
 
 
-def _remember(moments: QueryMoments, queries: torch.Tensor, size: int) -> None:
-    """Write `queries` `[B, H, q, D]` into the ring of the newest `size` queries."""
+def _remember(moments: QueryMoments, queries: torch.Tensor, counted: np.ndarray, size: int) -> None:
+    """Write each row's `counted[row]` newest of `queries` `[B, H, q, D]` (its last `size` at most) into its ring of
+    the newest `size` queries; the others go to the spare cell."""
+    batch, _, q, _ = queries.shape
     if moments.recent is None:
-        moments.recent = queries.new_zeros(queries.shape[:2] + (size, queries.shape[-1]))
-    cells = (moments.recent_seen + torch.arange(queries.shape[2], device=queries.device)) % size
-    moments.recent[:, :, cells] = queries
-    moments.recent_seen += queries.shape[2]
+        moments.recent = queries.new_zeros((batch, queries.shape[1], size + 1, queries.shape[-1]))
+        moments.recent_seen = np.zeros(batch, dtype=np.int64)
+    assert moments.recent_seen is not None
+    kept = np.minimum(counted, size)
+    order = np.arange(q) - (q - kept)[:, None]  # [B, q]: a kept query's place among the row's kept ones
+    cells = np.where(order >= 0, (moments.recent_seen[:, None] + order) % size, size)
+    index = torch.from_numpy(cells).to(queries.device)[:, None, :, None].expand_as(queries)
+    moments.recent.scatter_(2, index, queries)
+    moments.recent_seen = moments.recent_seen + kept
 

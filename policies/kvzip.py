@@ -6,7 +6,7 @@ import torch
 
 from kvbench.attention import attention_probs
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Policy, protect, register
+from kvbench.policies.base import BatchLimit, Policy, protect, register
 
 # kvpress's KVzipPress.prepare: the repeat request, and for later chunks the previous chunk's last tokens
 FIRST_REQUEST = "\n\nRepeat the previous context exactly."
@@ -51,6 +51,9 @@ class KVzip(Policy):
         super().check_settings(chunked)
         if chunked:
             raise KvbenchError("policy 'kvzip' reconstructs the whole prompt once it is in: use prefill mode 'full'")
+
+    def batch_limits(self) -> list[BatchLimit]:
+        return [BatchLimit("alone", "policy 'kvzip' reconstructs each prompt with forwards of its own")]
 
     def after_prompt(self, session, prompt: torch.Tensor) -> None:
         if session.rows != 1:

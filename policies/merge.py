@@ -6,7 +6,7 @@ from typing import Literal
 import torch
 
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Policy, protect, recent_mask, register
+from kvbench.policies.base import BatchLimit, Policy, protect, recent_mask, register
 
 
 @register
@@ -35,6 +35,10 @@ class Merge(Policy):
     def check_budget(self, budget: int) -> None:
         if budget <= self.recent + self.sinks:
             raise KvbenchError(f"merge: budget {budget} must exceed recent + sinks = {self.recent + self.sinks}")
+
+    def batch_limits(self) -> list[BatchLimit]:
+        # its folds write into entries by slot: a row's padding would be folded in like its tokens
+        return [BatchLimit("equal", "policy 'merge' folds evicted entries into kept ones slot by slot")]
 
     def score(self, layer, budget: int) -> torch.Tensor:
         merged = layer.slot_stat(self.state_key)  # tokens folded into each entry besides its own

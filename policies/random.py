@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvbench.policies.base import Policy, register
+from kvbench.policies.base import BatchLimit, Policy, register
 
 
 @register
@@ -14,10 +14,16 @@ class Random(Policy):
 
     name = "random"
     seed: int = 0
-    _generator: torch.Generator | None = field(default=None, init=False, repr=False, compare=False)
+    # one per row of a batch, each drawing what the row's own cache draws
+    _generators: list[torch.Generator] = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def batch_limits(self) -> list[BatchLimit]:
+        # a row draws one number per slot: padding slots would shift its draws
+        return [BatchLimit("equal", "policy 'random' draws a number for every slot, its row's padding included")]
 
     def score(self, layer, budget: int) -> torch.Tensor:
         positions = layer.live_positions()
-        if self._generator is None:
-            self._generator = torch.Generator(device=positions.device).manual_seed(self.seed)
-        return torch.rand(positions.shape, generator=self._generator, device=positions.device)
+        while len(self._generators) < positions.shape[0]:
+            self._generators.append(torch.Generator(device=positions.device).manual_seed(self.seed))
+        return torch.stack([torch.rand(positions.shape[1:], generator=generator, device=positions.device)
+                            for generator in self._generators[: positions.shape[0]]])

@@ -32,7 +32,8 @@ class Scissorhands(Policy):
     def observe(self, layer, query, key, scaling, phase) -> None:
         # an entry is "unimportant" to a query when it gets less than 1/(entries the query sees) of its
         # attention; each query's verdicts go to column (its position mod history) of a per-slot ring,
-        # so the ring always holds the verdicts of the last `history` queries
+        # so the ring always holds the verdicts of the last `history` queries (the newest `count` positions are
+        # consecutive: their columns are distinct)
         count = min(self.history, query.shape[2])
         ring = layer.slot_stat(self.state_key, width=self.history, dtype=torch.bool)
         n = key.shape[2]
@@ -47,9 +48,14 @@ class Scissorhands(Policy):
             positions = layer.live_positions()
             visible = visible & window_visible(positions, positions[..., n - count :], layer.kind.window)
             seen_by = visible.sum(dim=-1)
+        padding = layer.padding()
+        if padding is not None:  # a batch's padding: no entry to see, and a padding query gives no verdict
+            visible = visible & ~padding[:, :, None, :] & ~padding[:, :, n - count :, None]
+            seen_by = visible.sum(dim=-1)
         unimportant = (weights < 1.0 / seen_by[..., None].to(weights.dtype)) & visible
-        columns = (torch.arange(layer.seen - count, layer.seen, device=key.device)) % self.history
-        ring[..., columns] = unimportant.transpose(-1, -2)
+        # the queries are the newest slots; their positions name their columns (a row's own, in a batch)
+        columns = layer.live_positions()[..., n - count :] % self.history  # [B, heads, count]
+        ring.scatter_(-1, columns[:, :, None, :].expand(-1, -1, n, -1), unimportant.transpose(-1, -2))
 
     def score(self, layer, budget: int) -> torch.Tensor:
         counts = layer.slot_stat(self.state_key, width=self.history, dtype=torch.bool).sum(dim=-1)

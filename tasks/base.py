@@ -71,11 +71,23 @@ class Task:
             shared: SharedPrefill | None = None) -> Generation:
         """Run one sample under `policy` in an engine session (kvbench/session.py): by default prefill its
         prompt (the context alone first with `question: agnostic`) and generate one answer greedily."""
-        from kvbench.session import generate
+        return self.run_rows(lm, policy, [sample], settings, shared)[0]
 
-        context_ids, question_ids = encode_prompt(lm.tokenizer, sample)
-        return generate(lm, policy, context_ids, question_ids, settings, stop=sample.stop, shared=shared,
-                        max_new_tokens=settings.max_new_tokens or sample.max_new_tokens)
+    @property
+    def batches(self) -> bool:
+        """Whether a sweep may run samples of this task together (`run_rows`): not where the task runs its samples
+        its own way (it overrides `run`)."""
+        return type(self).run is Task.run
+
+    def run_rows(self, lm: LoadedModel, policy: Policy, samples: list[Sample], settings: RunSettings,
+                 shared: SharedPrefill | None = None) -> list[Generation]:
+        """`run` for several samples at once, left-padded into one batch (`shared`: their shared prefill, in this
+        order): each one's answer as `run` gives it alone."""
+        from kvbench.session import Prompt, generate_rows
+
+        prompts = [Prompt(*encode_prompt(lm.tokenizer, sample), settings.max_new_tokens or sample.max_new_tokens,
+                          sample.stop) for sample in samples]
+        return generate_rows(lm, policy, prompts, settings, shared=shared)
 
     def outcome(self, generation: Generation, sample: Sample) -> dict[str, Any]:
         """The record's task fields: the prediction, the references and the scores (and any series)."""

@@ -36,6 +36,9 @@ def sweep(
     shard_spec: str | None = typer.Option(None, "--shard", help="Run the i-th of N deterministic slices: 0/4."),
     share: bool = typer.Option(True, "--share/--no-share", help="Share one prompt forward among the cells of a "
                                "sample (default), or run every cell alone."),
+    batch_size: int | None = typer.Option(None, "--batch-size", help="Samples of a cell decoded together, "
+                                          "left-padded (default: the config's batch_size, 1); records are the same, "
+                                          "only faster."),
     retry_failed: bool = typer.Option(False, "--retry-failed", help="Run again the cells recorded as error/oom."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar (for CI logs)."),
     trace: bool = typer.Option(False, "--trace", help="Save each sample's memory time series (NVML on a GPU, "
@@ -64,39 +67,48 @@ def sweep(
     if plugins:
         load_plugins(plugins)
     cfg = load_config(config, overrides)
+    if batch_size is not None:
+        if batch_size < 1:
+            raise KvbenchError(f"--batch-size {batch_size}: a batch holds at least 1 sample")
+        cfg = cfg.model_copy(update={"batch_size": batch_size})
     cells = shard(expand(cfg), shard_spec)
     folder = RunFolder(output or cfg.output or _default_output(cfg.name, shard_spec))
     if dry_run:
         _dry_run(config, cfg, cells, folder, share, workers if on_ray else None)
         return
-    previous = folder.manifest()
-    finished = finished_cells(folder, retry_failed)
-    pending = [c for c in cells if c.id not in finished]
-    if previous and previous["config_hash"] == cfg.result_hash() and not pending:
-        completed = True  # nothing left to run: no need to load a model
-    elif on_ray:
-        completed = _run_on_ray(cfg, cells, (pending or cells)[0].model, folder, shard_spec, force, quiet, share,
-                                retry_failed, trace, [*([plugins] if plugins else []), *cfg.plugins], address,
-                                workers, gpus_per_worker, verbose)
-    else:
-        completed = _run_locally(cfg, cells, (pending or cells)[0].model, folder, shard_spec, force, quiet, share,
-                                 retry_failed, trace)
-    frame = summarize(folder.path)
-    if not quiet and not frame.empty:
-        from kvbench.summary import model_facets
-        from kvbench.tables import sweep_table
+    try:
+        if folder.path.is_dir():  # a sweep already writing it stops this one before a model loads
+            folder.lock()  # (a new folder is locked as it is made, once the model loaded: nothing half-written)
+        previous = folder.manifest()
+        finished = finished_cells(folder, retry_failed)
+        pending = [c for c in cells if c.id not in finished]
+        if previous and previous["config_hash"] == cfg.result_hash() and not pending:
+            completed = True  # nothing left to run: no need to load a model
+        elif on_ray:
+            completed = _run_on_ray(cfg, cells, (pending or cells)[0].model, folder, shard_spec, force, quiet, share,
+                                    retry_failed, trace, [*([plugins] if plugins else []), *cfg.plugins], address,
+                                    workers, gpus_per_worker, verbose)
+        else:
+            completed = _run_locally(cfg, cells, (pending or cells)[0].model, folder, shard_spec, force, quiet, share,
+                                     retry_failed, trace)
+        frame = summarize(folder.path)
+        if not quiet and not frame.empty:
+            from kvbench.summary import model_facets
+            from kvbench.tables import sweep_table
 
-        for facet, rows in model_facets(frame):  # a table per model and dtype, when the grid has several
-            stdout.print(sweep_table(rows, f"{cfg.name}, {facet}" if facet else cfg.name))
-    stdout.print(f"run folder: {folder.path} (summary.md, summary.csv, records.jsonl)", highlight=False)
-    if not completed:
-        stderr.print("interrupted: run the same command again to resume")
-        raise typer.Exit(130)
-    counts, failed = outcome(folder, cells)
-    if failed:  # a CI job around the sweep must not pass
-        stderr.print("sweep failed: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
-                     + " (a cell in error, or none succeeded; --retry-failed runs them again)", highlight=False)
-        raise typer.Exit(1)
+            for facet, rows in model_facets(frame):  # a table per model and dtype, when the grid has several
+                stdout.print(sweep_table(rows, f"{cfg.name}, {facet}" if facet else cfg.name))
+        stdout.print(f"run folder: {folder.path} (summary.md, summary.csv, records.jsonl)", highlight=False)
+        if not completed:
+            stderr.print("interrupted: run the same command again to resume")
+            raise typer.Exit(130)
+        counts, failed = outcome(folder, cells)
+        if failed:  # a CI job around the sweep must not pass
+            stderr.print("sweep failed: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+                         + " (a cell in error, or none succeeded; --retry-failed runs them again)", highlight=False)
+            raise typer.Exit(1)
+    finally:
+        folder.release()  # the run folder's write lock, for the next sweep (in this process too)
 
 
 def _check_executor(executor: str, **ray_options: object) -> bool:
@@ -134,7 +146,7 @@ def _dry_run(path: str, cfg, cells, folder, share: bool, workers: int | None) ->
     if unknown:
         estimate = f"unknown: no local config or built-in shape for {', '.join(unknown)}"
     else:
-        seconds = [estimate_seconds(unit, *sizes[unit[0].model], share) for unit in units]
+        seconds = [estimate_seconds(unit, *sizes[unit[0].model], share, cfg.batch_size) for unit in units]
         total = sum(seconds) if workers is None else wall_seconds(seconds, workers)
         estimate = f"~{total / 60:.1f} min" + ("" if workers is None else f" on {workers} Ray workers")
     devices = sorted({device.type for _, device in sizes.values()})
