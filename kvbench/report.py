@@ -38,7 +38,7 @@ def recommend(frame: pd.DataFrame, max_drop: float, max_kl: float | None = None)
         if max_kl is not None:
             ok = ok[ok["kl_mean"] <= max_kl] if "kl_mean" in ok else ok.iloc[0:0]
         if ok.empty:
-            within = f"{max_drop:g} points" + ("" if max_kl is None else f" and KL {max_kl:g}")
+            within = tolerance(max_drop, higher) + ("" if max_kl is None else f" and KL {max_kl:g}")
             rows.append({**row, "policy": None, "note": f"none within {within}"})
             continue
         best = ok.sort_values(["cache_ratio", "score"], ascending=[True, not higher]).iloc[0]
@@ -63,6 +63,12 @@ def _batch(row: pd.Series) -> int:
     """A summary row's batch size (one for runs from before batching)."""
     size = row.get("batch_size")
     return 1 if size is None or pd.isna(size) else int(size)
+
+
+def tolerance(max_drop: float, higher_is_better: bool) -> str:
+    """`--max-drop` in the unit `worst_change` measures it in: points of a score, or percent of full's value where
+    lower is better (perplexity)."""
+    return f"{max_drop:g} points" if higher_is_better else f"{max_drop:g}% of full's value"
 
 
 def worst_change(cells: pd.DataFrame, full_score: float) -> pd.Series:

@@ -273,3 +273,10 @@ def test_nll_vs_position_curves_from_per_position_nll(tmp_path):
     np.testing.assert_allclose(lines["full"].get_ydata(), 2.5)  # mean of the two samples, smoothing keeps it flat
     np.testing.assert_allclose(lines["window b=64"].get_ydata(), 3.5)
     assert len(lines["full"].get_xdata()) == 400
+
+
+def test_the_drop_allowed_is_said_in_the_task_s_unit():
+    from kvbench.report import tolerance
+
+    assert tolerance(2, higher_is_better=True) == "2 points"
+    assert tolerance(2, higher_is_better=False) == "2% of full's value"  # perplexity: relative to full's
