@@ -209,7 +209,8 @@ def test_run_takes_a_storage_per_policy():
 
     result = CliRunner().invoke(app, ["run", "-m", "random:tiny-llama", "-c", "300", "-b", "64", "-p", "h2o", "-p",
                                       "quant", "--param", "h2o.storage={quant: {bits: 4, group_size: 16}}",
-                                      "--param", "quant.residual=16", "--max-new-tokens", "2", "--json"])
+                                      "--param", "quant.residual=16", "--max-new-tokens", "2", "--json",
+                                      "--no-reference"])
     assert result.exit_code == 0, result.output
     records = {r["family"]: r for r in map(json.loads, result.output.strip().splitlines())}
     assert set(records) == {"hybrid", "compression"}
