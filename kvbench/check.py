@@ -24,7 +24,7 @@ from typing import Any, Literal, cast
 
 import torch
 
-from kvbench.cache import LayerKV
+from kvbench.cache import KVCache, LayerKV
 from kvbench.errors import KvbenchError
 from kvbench.measure import Stopwatch, memory_pressure, open_nvml, tracing
 from kvbench.models import LoadedModel
@@ -135,16 +135,12 @@ def stock_generate(lm: LoadedModel, prompt: list[int], new_tokens: int, attentio
         out = cast(Any, lm.model).generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, **length,
             eos_token_id=sorted(lm.eos_token_ids) or None, do_sample=False, top_p=None, top_k=None, temperature=None,
-            pad_token_id=_pad_id(lm), output_logits=True, return_dict_in_generate=True)
+            pad_token_id=lm.pad_token_id, output_logits=True, return_dict_in_generate=True)
     except (ValueError, ImportError) as exc:  # an attention implementation this model or machine lacks
         raise KvbenchError(f"--attention {attention}: {str(exc).splitlines()[0]}") from None
     finally:
         lm.model.set_attn_implementation("kvbench")
     return out.sequences[0, len(prompt) :].tolist(), [step[0].float() for step in out.logits]
-
-
-def _pad_id(lm: LoadedModel) -> int:
-    return lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
 
 
 def kvbench_generate(lm: LoadedModel, policy: str, prompt: list[int], new_tokens: int, budget: int | None = None,
@@ -218,7 +214,7 @@ def check_layers(lm: LoadedModel, prompt: list[int]) -> Check:
     session = Session(lm, build_policy("full"), RunSettings(), prompt_tokens=len(prompt), growth=1)
     with session:
         session.prefill(prompt)
-    held = [int(layer.live_positions().shape[-1]) for layer in cache_layers(session)]
+    held = [int(layer.live_positions().shape[-1]) for layer in cache_layers(session.cache)]
     wrong = [f"layer {i} holds {n}" for i, (n, kind) in enumerate(zip(held, kinds, strict=True))
              if n != (len(prompt) if kind.window is None else kind.window - 1)]
     detail = f"{shape}; after {len(prompt)} tokens the sliding layers hold window - 1 entries, the full ones all"
@@ -236,21 +232,21 @@ def kept_history(lm: LoadedModel, policy_name: str, prompt: list[int], decode: l
     session = Session(lm, policy, RunSettings(budget=budget), prompt_tokens=len(prompt), growth=len(decode))
     with torch.inference_mode():
         session.prefill(prompt)
-        history = [kept_masks(session)]
+        history = [kept_masks(session.cache)]
         for token in decode:
             session.step(token)
-            history.append(kept_masks(session))
+            history.append(kept_masks(session.cache))
     return history, session.policy
 
 
-def cache_layers(session: Session) -> list[LayerKV]:
-    return cast(list[LayerKV], session.cache.layers)
+def cache_layers(cache: KVCache) -> list[LayerKV]:
+    return cast(list[LayerKV], cache.layers)
 
 
-def kept_masks(session: Session) -> list[torch.Tensor]:
-    """Per layer, a `[kv_heads, seen]` mask of the positions the cache physically holds."""
+def kept_masks(cache: KVCache) -> list[torch.Tensor]:
+    """Per layer, a `[kv_heads, seen]` mask of the positions the cache physically holds (the first row's)."""
     masks = []
-    for layer in cache_layers(session):
+    for layer in cache_layers(cache):
         positions = layer.live_positions()[0].cpu()
         mask = torch.zeros(positions.shape[0], layer.seen, dtype=torch.bool)
         padding = layer.padding()
@@ -360,13 +356,11 @@ def check_dtype(lm: LoadedModel, prompt: list[int], decode: list[int]) -> Check:
     if lm.dtype == torch.float32:
         return Check("dtype", "skip", "the model runs in float32 (pass --dtype bfloat16 to check half precision)")
     budget = max(1, round(BUDGET_RATIO * len(prompt)))
-    results = {}
-    for name, steps in (("snapkv", []), ("h2o", decode)):
-        results[name] = kept_history(lm, name, prompt, steps, budget)[0]
+    compared = {"snapkv": [], "h2o": decode}  # a prompt-time and a decode-time policy
+    results = {name: kept_history(lm, name, prompt, steps, budget)[0] for name, steps in compared.items()}
     lm.model.float()
     try:
-        upcast = {name: kept_history(lm, name, prompt, steps, budget)[0] for name, steps in
-                  (("snapkv", []), ("h2o", decode))}
+        upcast = {name: kept_history(lm, name, prompt, steps, budget)[0] for name, steps in compared.items()}
     finally:
         cast(Any, lm.model).to(lm.dtype)
     means = {name: agreement(results[name], upcast[name]) for name in results}
@@ -403,7 +397,7 @@ def _measured_full(lm: LoadedModel, prompt: list[int]) -> tuple[dict[str, Any], 
     with session:
         session.prefill(prompt)
         session.decode(4, set())
-    storage = sum(int(tensor.untyped_storage().nbytes()) for layer in cache_layers(session)
+    storage = sum(int(tensor.untyped_storage().nbytes()) for layer in cache_layers(session.cache)
                   for tensor in (layer.keys, layer.values) if tensor is not None)
     return session.measurements(), storage
 

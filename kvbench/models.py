@@ -171,6 +171,11 @@ class LoadedModel:
         return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
     @property
+    def pad_token_id(self) -> int:
+        """What pads a batch's short rows (masked, never attended): the tokenizer's, else 0."""
+        return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    @property
     def eos_token_ids(self) -> set[int]:
         ids = self.model.generation_config.eos_token_id
         ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])

@@ -652,7 +652,7 @@ def generate_rows(lm: LoadedModel, policy: Policy, prompts: list[Prompt], settin
 def left_padded(lm: LoadedModel, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """`[rows, longest]` ids, each prompt left-padded to the longest, and each row's padding `[rows]`."""
     longest = max(map(len, prompts))
-    pad_id = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
+    pad_id = lm.pad_token_id
     padding = torch.tensor([longest - len(p) for p in prompts])
     return torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts]), padding
 

@@ -1,22 +1,7 @@
 from __future__ import annotations
 
-import torch
-
-from kvbench.cache import KVCache
+from kvbench.check import kept_masks
 from kvbench.session import RunSettings, Session
-
-
-def kept_masks(cache: KVCache) -> list[torch.Tensor]:
-    """Per layer, a `[kv_heads, seen]` mask of the positions the cache physically holds."""
-    masks = []
-    for layer in cache.layers:
-        mask = torch.zeros(layer.positions.shape[1], layer.seen, dtype=torch.bool)
-        held = torch.ones_like(layer.live_positions()[0], dtype=torch.bool)
-        if layer.padding() is not None:  # heads with uneven counts: padding slots hold nothing
-            held = ~layer.padding()[0]
-        mask.scatter_(1, layer.live_positions()[0], held)
-        masks.append(mask)
-    return masks
 
 
 def run_session(lm, policy, prompt, decode, budget, chunk=None, evict_every=1):
