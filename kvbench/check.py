@@ -332,12 +332,12 @@ def agreement(ours: list[list[torch.Tensor]], theirs: list[list[torch.Tensor]],
 
 
 def check_policy(lm: LoadedModel, name: str, prompt: list[int], decode: list[int], label: str) -> Check:
-    budget = max(1, round(BUDGET_RATIO * len(prompt)))
+    budget, policy = max(1, round(BUDGET_RATIO * len(prompt))), build_policy(name)
     try:
-        build_policy(name).check_budget(budget)
+        policy.check_budget(budget)
     except KvbenchError as exc:
         return Check(f"policy.{name}.{label}", "skip", f"{name} at {budget} of {len(prompt)} tokens: {exc}")
-    steps = decode if build_policy(name).evicts_during_decode else []
+    steps = decode if policy.evicts_during_decode else []
     ours, policy = kept_history(lm, name, prompt, steps, budget)
     theirs, scores = reference_history(lm, policy, prompt, steps, budget)
     mean, worst = agreement(ours if scores is None else ours[:1], theirs, scores)
