@@ -1,6 +1,6 @@
 """The kvpress side of the parity check, run in an environment with kvpress 0.5.5 and no kvbench:
 
-    python -m parity.run_kvpress WORK     # reads WORK/models, WORK/prompts.json; writes WORK/kvpress.pt
+    python -m parity.run_kvpress WORK [--case NAME ...]   # reads WORK/models, WORK/prompts.json; writes WORK/kvpress.pt
 
 For every model, prompt and case of parity/cases.yaml: the prompt through the model under the case's press, then
 per layer a `[kv_heads, prompt]` mask of the positions the compressed cache holds. A kept key is located among the
@@ -10,9 +10,9 @@ masks entries instead of dropping them (AdaKV, KVzip) holds every position it do
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
-import sys
 from importlib.metadata import version
 from pathlib import Path
 
@@ -72,10 +72,12 @@ def held_positions(model, cache, full_keys: list[torch.Tensor]) -> list[torch.Te
 
 
 @torch.inference_mode()
-def main(work: Path) -> None:
+def main(work: Path, cases: list[str] | None = None) -> None:
     transformers.utils.logging.disable_progress_bar()
     logging.getLogger("kvpress").setLevel(logging.ERROR)  # KVzip's note on its cost, once per prompt
     config = yaml.safe_load(CASES.read_text())
+    if cases:
+        config["cases"] = [case for case in config["cases"] if case["name"] in cases]
     prompts = json.loads((work / "prompts.json").read_text())
     results: dict = {}
     for spec in config["models"]:
@@ -102,4 +104,8 @@ def main(work: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("work", type=Path)
+    parser.add_argument("--case", action="append", help="only this case (repeatable), as parity.compare takes")
+    args = parser.parse_args()
+    main(args.work, args.case)
