@@ -8,6 +8,7 @@ import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvbench.errors import KvbenchError
@@ -23,26 +24,28 @@ class Shape:
     kv_heads: int
     head_dim: int
     parameters: int | None = None  # for the weights' bytes; None when unknown
+    heads: int | None = None  # query heads, for the attention's FLOPs in a sweep's time estimate; None when unknown
 
     def bytes_per_token(self, dtype_bytes: float) -> float:
         """K and V of one token in every layer and KV head (GQA: kv_heads, not attention heads)."""
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
 
 
-# (layers, KV heads, head_dim, parameters) from each model's config.json
+# (layers, KV heads, head_dim, parameters, query heads) from each model's config.json
 SHAPES: dict[str, Shape] = {
-    "llama-2-7b": Shape(32, 32, 128, 6_738_415_616),
-    "llama-2-13b": Shape(40, 40, 128, 13_015_864_320),
-    "llama-2-70b": Shape(80, 8, 128, 68_976_648_192),
-    "llama-3.2-1b": Shape(16, 8, 64, 1_235_814_400),
-    "llama-3-8b": Shape(32, 8, 128, 8_030_261_248),
-    "llama-3.1-8b": Shape(32, 8, 128, 8_030_261_248),
-    "llama-3-70b": Shape(80, 8, 128, 70_553_706_496),
-    "llama-3.1-70b": Shape(80, 8, 128, 70_553_706_496),
-    "mistral-7b": Shape(32, 8, 128, 7_241_732_096),
-    "qwen2.5-7b": Shape(28, 4, 128, 7_615_616_512),
-    "smollm2-135m": Shape(30, 3, 64, 134_515_008),
-    "smollm2-1.7b": Shape(24, 32, 64, 1_711_376_384),
+    "llama-2-7b": Shape(32, 32, 128, 6_738_415_616, 32),
+    "llama-2-13b": Shape(40, 40, 128, 13_015_864_320, 40),
+    "llama-2-70b": Shape(80, 8, 128, 68_976_648_192, 64),
+    "llama-3.2-1b": Shape(16, 8, 64, 1_235_814_400, 32),
+    "llama-3-8b": Shape(32, 8, 128, 8_030_261_248, 32),
+    "llama-3.1-8b": Shape(32, 8, 128, 8_030_261_248, 32),
+    "llama-3-70b": Shape(80, 8, 128, 70_553_706_496, 64),
+    "llama-3.1-70b": Shape(80, 8, 128, 70_553_706_496, 64),
+    "mistral-7b": Shape(32, 8, 128, 7_241_732_096, 32),
+    "qwen2.5-7b": Shape(28, 4, 128, 7_615_616_512, 28),
+    "smollm2-135m": Shape(30, 3, 64, 134_515_008, 9),
+    "smollm2-1.7b": Shape(24, 32, 64, 1_711_376_384, 32),
+    "gemma3-270m": Shape(18, 1, 256, 268_098_176, 4),
 }
 
 
@@ -55,6 +58,18 @@ def builtin_shape(model: str) -> Shape | None:
     network; None when it names none."""
     name = model.rsplit("/", 1)[-1].lower()
     return SHAPES.get(name) or SHAPES.get(_VARIANT.sub("", name))
+
+
+def offline_shape(model: str) -> Shape | None:
+    """`model`'s shape without the network or its weights: a built-in shape, `random:<shape>` or a local folder's
+    config; None for anything else (a hub id with no built-in shape, a GGUF file)."""
+    shape = builtin_shape(model)
+    if shape is not None or not (model.startswith("random:") or Path(model).is_dir()):
+        return shape
+    try:
+        return model_shape(model)
+    except KvbenchError:
+        return None
 
 
 def model_shape(model: str) -> Shape:
@@ -76,7 +91,7 @@ def model_shape(model: str) -> Shape:
                                f"(nor is it a built-in shape): {str(exc).splitlines()[0]}") from None
     heads = config.num_attention_heads
     return Shape(config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads,
-                 getattr(config, "head_dim", None) or config.hidden_size // heads, config_parameters(config))
+                 getattr(config, "head_dim", None) or config.hidden_size // heads, config_parameters(config), heads)
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ import torch
 
 from kvbench.config import SweepConfig
 from kvbench.errors import KvbenchError
-from kvbench.estimate import parse_bytes
+from kvbench.estimate import Shape, parse_bytes
 from kvbench.measure import memory_pressure, tracing
 from kvbench.models import LoadedModel, load_model
 from kvbench.policies import POLICIES, Policy
@@ -626,34 +626,66 @@ def _failure(cell: Cell, exc: Exception) -> dict[str, Any]:
             "message": message.splitlines()[0] if message else type(exc).__name__, "finished": now()}
 
 
-# assumed throughput of `estimate_seconds`: one large GPU; 2 CPU cores (the ~450 prompt tokens/s of 135M parameters)
-FLOPS = {"cuda": 2e14, "cpu": 1.2e11}
+@dataclass(frozen=True)
+class Throughput:
+    """What `estimate_seconds` assumes a device sustains: FLOP/s, and bytes/s streamed from memory."""
+
+    flops: float
+    bandwidth: float
 
 
-def estimate_seconds(cells: list[Cell], parameters: int, device: torch.device, share: bool,
-                     batch_size: int = 1) -> float:
-    """A rough wall-time guess for one model's cells from its size: a prompt token costs 2 x parameters FLOPs at an
-    assumed throughput (`FLOPS`: 1.2e11 FLOP/s on 2 CPU cores, the ~450 prompt tokens/s measured for 135M
-    parameters); a decode step, bound by memory and latency, about 40 times more (~90 ms there), for a batch's rows
-    as for one."""
-    return token_work(cells, share, batch_size) * 2 * parameters / FLOPS[device.type]
+# one large GPU (an H100's order: 2e14 dense bfloat16 FLOP/s reached, 1.5 of its 3.35 TB/s streamed in practice); 2 CPU
+# cores, calibrated on the embedded SmolLM2-135M in float32 (~450 prompt tokens/s, ~90 ms a decode step)
+SPEEDS = {"cuda": Throughput(2e14, 1.5e12), "cpu": Throughput(1.2e11, 6e9)}
 
 
-def token_work(cells: list[Cell], share: bool, batch_size: int = 1) -> float:
-    """What `estimate_seconds` weighs, in prompt-token equivalents: the prompt tokens run (once per sample group
-    where the prompt's forward is shared) plus 40 per decode step (one for the rows of a batch)."""
-    work, prompts_run = 0.0, set()
+@dataclass(frozen=True)
+class CellWork:
+    """What one cell costs, as a time estimate counts it: `prompts` forwards of `prompt_tokens` tokens (none where
+    its sample group's shared forward already ran them) and `steps` decode steps of `rows` rows each."""
+
+    prompts: int
+    prompt_tokens: int
+    steps: int
+    rows: int
+
+
+def cell_work(cells: list[Cell], share: bool, batch_size: int = 1) -> list[CellWork]:
+    prompts_run: set[str] = set()
+    work = []
     for cell in cells:
         d = cell.description
         task = cell_task(cell)
         samples = task.sample_count(d["samples"])
         prompt, decoded = task.work(d["context_length"], d["max_new_tokens"])
-        if not (share and task.shares_prefill and _sharable(cell) and cell.group in prompts_run):
-            work += prompt * samples
+        shared = share and task.shares_prefill and _sharable(cell) and cell.group in prompts_run
         prompts_run.add(cell.group)
-        rows = batch_size if batch_size > 1 and _batches(cell) else 1
-        work += decoded * -(-samples // rows) * 40
+        rows = min(batch_size, samples) if batch_size > 1 and _batches(cell) else 1
+        work.append(CellWork(0 if shared else samples, prompt, decoded * -(-samples // rows), rows))
     return work
+
+
+def estimate_seconds(cells: list[Cell], shape: Shape, dtype_bytes: float, speed: Throughput, share: bool,
+                     batch_size: int = 1) -> float:
+    """A rough wall-time guess for one model's cells from its shape. A prompt of n tokens costs 2 x parameters x n
+    FLOPs plus its causal attention's 2 x layers x heads x head_dim x n^2; a decode step reads the weights and its
+    rows' full caches once, or computes 2 x parameters FLOPs a row, whichever takes longer. A floor: kernel launches,
+    Python and a policy's own work are not counted."""
+    parameters, heads = shape.parameters or 0, shape.heads or shape.kv_heads
+    seconds = 0.0
+    for work in cell_work(cells, share, batch_size):
+        n = work.prompt_tokens
+        prompt_flops = 2 * parameters * n + 2 * shape.layers * heads * shape.head_dim * n * n
+        step_bytes = parameters * dtype_bytes + work.rows * n * shape.bytes_per_token(dtype_bytes)
+        step = max(work.rows * 2 * parameters / speed.flops, step_bytes / speed.bandwidth)
+        seconds += work.prompts * prompt_flops / speed.flops + work.steps * step
+    return seconds
+
+
+def token_work(cells: list[Cell], share: bool, batch_size: int = 1) -> float:
+    """How long `cells` take relative to others, without the model's shape (to order work units): prompt tokens run
+    plus 40 per decode step (one for the rows of a batch), as 2 CPU cores run a small model."""
+    return sum(work.prompts * work.prompt_tokens + 40 * work.steps for work in cell_work(cells, share, batch_size))
 
 
 def work_units(cells: list[Cell], share: bool) -> list[list[Cell]]:

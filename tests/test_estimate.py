@@ -51,3 +51,23 @@ def test_cli():
     assert small.exit_code == 0 and "NO" in small.output and "warning" in small.output
     bad = runner.invoke(app, ["estimate", "llama-2-7b", "--dtype", "fp7"])
     assert bad.exit_code == 2 and "unknown dtype 'fp7'" in bad.output
+
+
+def test_a_sweeps_time_estimate_is_prompt_flops_plus_decode_steps_bound_by_their_reads(tmp_path):
+    """One cell by hand: a 1000-token prompt's FLOPs (the weights' and the causal attention's), then 16 decode
+    steps, each reading the bfloat16 weights and the row's cache (an 8B model on a GPU is bound by its reads)."""
+    import yaml
+
+    from kvbench.config import load_config
+    from kvbench.sweep import SPEEDS, estimate_seconds, expand
+
+    config = tmp_path / "sweep.yaml"
+    config.write_text(yaml.safe_dump({"name": "e", "model": "random:llama-3-8b", "policies": ["full"],
+                                      "budgets": [64], "context_lengths": [1000], "max_new_tokens": 16,
+                                      "tasks": [{"name": "niah", "depths": [0.5]}], "samples": 1}))
+    (cell,) = expand(load_config(config))
+    shape, gpu = SHAPES["llama-3-8b"], SPEEDS["cuda"]
+    prompt = (2 * shape.parameters * 1000 + 2 * 32 * 32 * 128 * 1000**2) / gpu.flops
+    step = (shape.parameters * 2 + 1000 * shape.bytes_per_token(2)) / gpu.bandwidth
+    assert step > 2 * shape.parameters / gpu.flops  # a decode step waits on memory, not on arithmetic
+    assert estimate_seconds([cell], shape, 2, gpu, share=True) == pytest.approx(prompt + 16 * step)

@@ -130,31 +130,39 @@ def _dry_run(path: str, cfg, cells, folder, share: bool, workers: int | None) ->
     """The grid's size and a rough time: summed, or on `workers` Ray workers taking the longest unit first. Runs
     nothing and needs neither the model's device nor the network: a model's size comes from its local config or a
     built-in shape, and what cannot be known is said."""
-    from kvbench.estimate import builtin_shape
-    from kvbench.models import count_parameters
-    from kvbench.sweep import FLOPS, estimate_seconds, wall_seconds, work_units
+    from kvbench.estimate import DTYPE_BYTES, offline_shape
+    from kvbench.models import resolve_dtype
+    from kvbench.sweep import SPEEDS, cell_work, estimate_seconds, wall_seconds, work_units
 
     done = folder.done() if folder.manifest() else set()
-    sizes, unknown = {}, []
+    plans, unknown = {}, []
     for model in cfg.model_grid():
-        shape = builtin_shape(model.id)
-        parameters = count_parameters(model.id) or (shape.parameters if shape else None)
-        if parameters is None:
+        shape = offline_shape(model.id)
+        if shape is None or shape.parameters is None:
             unknown.append(model.id)
-        sizes[model.id, model.dtype] = parameters, planned_device(model.device)
+            continue
+        device = planned_device(model.device)
+        dtype_bytes = DTYPE_BYTES[str(resolve_dtype(model.dtype, device)).removeprefix("torch.")]
+        plans[model.id, model.dtype] = shape, dtype_bytes, SPEEDS[device.type]
     units = work_units(cells, share)
     if unknown:
         estimate = f"unknown: no local config or built-in shape for {', '.join(unknown)}"
     else:
-        seconds = [estimate_seconds(unit, *sizes[unit[0].model], share, cfg.batch_size) for unit in units]
+        seconds = [estimate_seconds(unit, *plans[unit[0].model], share, cfg.batch_size) for unit in units]
         total = sum(seconds) if workers is None else wall_seconds(seconds, workers)
         estimate = f"~{total / 60:.1f} min" + ("" if workers is None else f" on {workers} Ray workers")
-    devices = sorted({device.type for _, device in sizes.values()})
-    assumed = ", ".join(f"{FLOPS[kind]:.1e} FLOP/s on {kind}" for kind in devices)
+    speeds = {planned_device(model.device).type for model in cfg.model_grid()}
+    assumed = ", ".join(f"{SPEEDS[kind].flops:.1e} FLOP/s and {SPEEDS[kind].bandwidth:.1e} B/s on {kind}"
+                        for kind in sorted(speeds))
     units_note = "" if workers is None else f" in {len(units)} units of work"
+    work = cell_work(cells, share, cfg.batch_size)
+    prompts, tokens = sum(w.prompts for w in work), sum(w.prompts * w.prompt_tokens for w in work)
+    steps = sum(w.steps for w in work)
     stdout.print(f"{path}: {len(cells)} cells, {len({c.group for c in cells})} sample groups{units_note}, {len(done)} "
-                 f"samples already in {folder.path}; estimated time {estimate} (a rough guess: 2 x parameters FLOPs "
-                 f"per prompt token, 40 times that per decoded token, at {assumed})", highlight=False)
+                 f"samples already in {folder.path}; {prompts:,} prompt forwards ({tokens:,} tokens) and "
+                 f"{steps:,} decode steps; estimated time {estimate} (a floor from the model's shape: each prompt's "
+                 f"FLOPs, each decode step's FLOPs or its reads of the weights and full caches, at {assumed})",
+                 highlight=False)
 
 
 def planned_device(device: str) -> torch.device:
