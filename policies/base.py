@@ -298,9 +298,9 @@ class RetrievalHeads(Policy):
     def select(self, layer: LayerKV, budget: int) -> torch.Tensor:
         retrieval = self.retrieval_heads()[layer.layer_idx].to(layer.device)
         positions = layer.live_positions()
-        keep = retrieval[None, :, None] | (positions < self.sinks) | recent_mask(layer, budget - self.sinks)
-        padding = layer.padding()  # a streaming head's padding slots hold stale positions: never keep them
-        return keep if padding is None else keep & ~padding
+        # a padding slot holds an entry dropped before (neither a sink nor recent) or a batch's left padding, which
+        # the cache drops whatever a policy selects
+        return retrieval[None, :, None] | (positions < self.sinks) | recent_mask(layer, budget - self.sinks)
 
 
 def _forwarding(name: str, scope: HookScope) -> Callable:
