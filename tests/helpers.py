@@ -7,7 +7,6 @@ from kvbench.check import kept_masks
 from kvbench.policies import build_policy
 from kvbench.session import RunSettings, Session
 
-
 # what a policy needs on the tests' random models and has no default for: duoattention's head pattern (random:tiny-llama
 # and tiny-qwen2: 2 layers x 2 KV heads) and sinks that fit the tests' budgets
 NEEDED_PARAMS: dict[str, dict[str, Any]] = {
