@@ -148,3 +148,16 @@ def test_a_pattern_folder_reads_its_full_attention_heads_tsv(tmp_path):
     (tmp_path / "full_attention_heads.tsv").write_text(PATTERN.read_text())
     policy = build_policy("duoattention", {"pattern": str(tmp_path)})
     assert policy.retrieval_heads().tolist() == [[True, False], [False, True]]
+
+
+@pytest.mark.parametrize("name, params", [("duoattention", {"pattern": str(PATTERN), "sinks": 4}),
+                                          ("razorattention", {"calibration_tokens": 32, "sinks": 4})])
+def test_a_chunked_prompt_keeps_what_a_whole_one_does(tiny_llama, tmp_path, monkeypatch, name, params):
+    """Which heads retrieve is known before the first chunk (RazorAttention calibrates when the session is made)."""
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
+    prompt, decode = random_ids(100, seed=7), random_ids(3, seed=8)
+    _, whole = run_session(tiny_llama, build_policy(name, params), prompt, decode, 20)
+    _, chunked = run_session(tiny_llama, build_policy(name, params), prompt, decode, 20, chunk=32)
+    for ours, theirs in zip(whole[-1], chunked[-1], strict=True):
+        assert torch.equal(ours, theirs)
+    assert any(bool(mask.all(-1).any()) for mask in whole[-1])  # some head kept everything
