@@ -278,7 +278,6 @@ class RetrievalHeads(Policy):
     them, while the prompt is compressed and while decoding. A subclass says which KV heads are retrieval heads
     (`retrieval_heads`); the kept counts differ per head, stored as Ada-KV's are (padded to a layer's widest head)."""
 
-    needs_attention: ClassVar[bool] = False
     sinks: int = 4
 
     def __post_init__(self) -> None:
