@@ -14,7 +14,7 @@ from kvbench.models import load_model
 from kvbench.policies import build_policy
 from kvbench.policies import razorattention as razor
 from tests.conftest import random_ids
-from tests.helpers import run_session
+from tests.helpers import assert_rejected_in_one_line, run_session
 
 PATTERN = Path(__file__).with_name("data") / "tiny-llama-pattern.tsv"  # random:tiny-llama: 2 layers x 2 KV heads
 
@@ -161,3 +161,17 @@ def test_a_chunked_prompt_keeps_what_a_whole_one_does(tiny_llama, tmp_path, monk
     for ours, theirs in zip(whole[-1], chunked[-1], strict=True):
         assert torch.equal(ours, theirs)
     assert any(bool(mask.all(-1).any()) for mask in whole[-1])  # some head kept everything
+
+
+def test_a_sweep_with_a_missing_pattern_is_rejected_in_one_line(tmp_path):
+    config = tmp_path / "duo.yaml"
+    missing = tmp_path / "no_such_pattern.tsv"
+    config.write_text(f"""name: duo
+model: {{id: "random:tiny-llama", dtype: float32, device: cpu}}
+policies: [{{name: duoattention, pattern: {missing}}}]
+budgets: [24]
+context_lengths: [64]
+tasks: [{{name: niah}}]
+samples: 1
+""")
+    assert_rejected_in_one_line(config, str(missing), tmp_path / "run")
