@@ -108,10 +108,12 @@ def model_digest(lm, tokens: int) -> str:
     """The model's identity for the disk cache: its config, dtype and attention weights (a random model's seed, or
     weights changed after loading, give another), and the calibration's length and seed."""
     digest = hashlib.sha256(f"{lm.model.config.to_json_string()}|{lm.dtype}|{tokens}|{CALIBRATION_SEED}".encode())
-    for name, parameter in lm.model.named_parameters():
-        if "attn" in name:
-            digest.update(name.encode())
-            digest.update(parameter.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    named = list(lm.model.named_parameters())
+    # the attention weights decide the scores; a model naming them otherwise is hashed whole
+    attention = [(name, p) for name, p in named if "attn" in name or "attention" in name] or named
+    for name, parameter in attention:
+        digest.update(name.encode())
+        digest.update(parameter.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:24]
 
 
