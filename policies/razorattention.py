@@ -1,9 +1,7 @@
 from __future__ import annotations
 
-import hashlib
 import math
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -11,12 +9,10 @@ import torch
 
 from kvbench.attention import attention_probs
 from kvbench.errors import KvbenchError
-from kvbench.models import cache_dir
+from kvbench.models import per_model
 from kvbench.policies.base import Policy, RetrievalHeads, register
 
 CALIBRATION_SEED = 0
-# calibrated head scores per model object (and calibration length), for this process; on disk per model identity
-_CALIBRATED: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, HeadScores]] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -85,36 +81,13 @@ def top_share(scores: torch.Tensor, share: float) -> torch.Tensor:
 
 
 def head_scores(lm, tokens: int) -> tuple[HeadScores, bool]:
-    """The model's echo and induction scores, and whether they were calibrated now (False: from a cache)."""
-    in_memory = _CALIBRATED.setdefault(lm.model, {})
-    if tokens in in_memory:
-        return in_memory[tokens], False
-    path = cache_dir() / "razorattention" / f"{model_digest(lm, tokens)}.pt"
-    calibrated = not path.exists()
-    if calibrated:
+    """The model's echo and induction scores, and whether they were calibrated now (False: read back)."""
+    def compute() -> dict[str, torch.Tensor]:
         scores = calibrate(lm, tokens)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{time.time_ns()}.tmp")  # written whole, then renamed: parallel cells
-        torch.save({"echo": scores.echo, "induction": scores.induction}, partial)
-        partial.replace(path)
-    else:
-        saved = torch.load(path)
-        scores = HeadScores(saved["echo"], saved["induction"])
-    in_memory[tokens] = scores
-    return scores, calibrated
+        return {"echo": scores.echo, "induction": scores.induction}
 
-
-def model_digest(lm, tokens: int) -> str:
-    """The model's identity for the disk cache: its config, dtype and attention weights (a random model's seed, or
-    weights changed after loading, give another), and the calibration's length and seed."""
-    digest = hashlib.sha256(f"{lm.model.config.to_json_string()}|{lm.dtype}|{tokens}|{CALIBRATION_SEED}".encode())
-    named = list(lm.model.named_parameters())
-    # the attention weights decide the scores; a model naming them otherwise is hashed whole
-    attention = [(name, p) for name, p in named if "attn" in name or "attention" in name] or named
-    for name, parameter in attention:
-        digest.update(name.encode())
-        digest.update(parameter.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:24]
+    saved, calibrated = per_model(lm, "razorattention", f"tokens={tokens} seed={CALIBRATION_SEED}", compute)
+    return HeadScores(saved["echo"], saved["induction"]), calibrated
 
 
 def calibrate(lm, tokens: int) -> HeadScores:
