@@ -35,7 +35,8 @@ runner = CliRunner()
 # what a batch measures together (or, for memory, as a process): the only columns a batched record may change
 TIMING = {"ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s", "batch_size", "mem_peak_alloc", "mem_peak_reserved",
           "mem_peak_device", "mem_group_peak_alloc", "mem_group_peak_reserved", "mem_group_peak_device",
-          "mem_baseline", "mem_device_note"}
+          "mem_baseline", "mem_device_note",
+          "calibration_s"}  # a per-model calibration's seconds: paid by the first cell of a model that calibrates
 
 SNAP = {"name": "snapkv", "window": 8}
 # every registered policy, at parameters that fit prompts of 30-250 tokens and budgets of 24 tokens or half
