@@ -17,6 +17,9 @@ import logging
 import os
 import shutil
 import tempfile
+import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -254,6 +257,47 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def cache_dir() -> Path:
     root = os.environ.get("KVBENCH_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvbench"
     return Path(root)
+
+
+# what `per_model` computed, per model object, for this process
+_PER_MODEL: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, dict[str, torch.Tensor]]] = weakref.WeakKeyDictionary()
+
+
+def per_model(lm: LoadedModel, name: str, variant: str,
+              compute: Callable[[], dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], bool]:
+    """The tensors `compute()` derives from `lm` (a policy's calibration: RazorAttention's head scores), computed once
+    per model: kept in memory per model object and on disk in `cache_dir()/name/`, keyed by `model_digest` (and
+    `variant`, the computation's own settings), so a sweep's cells and later runs read them back. Returns them and
+    whether they were computed now."""
+    in_memory = _PER_MODEL.setdefault(lm.model, {})
+    key = f"{name}|{variant}"
+    if key in in_memory:
+        return in_memory[key], False
+    path = cache_dir() / name / f"{model_digest(lm, variant)}.pt"
+    computed = not path.exists()
+    if computed:
+        values = compute()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.{time.time_ns()}.tmp")  # written whole, then renamed
+        torch.save(values, partial)
+        partial.replace(path)
+    else:
+        values = torch.load(path)
+    in_memory[key] = values
+    return values, computed
+
+
+def model_digest(lm: LoadedModel, variant: str = "") -> str:
+    """A model's identity: its config, dtype and attention weights (a random model's seed, or weights changed after
+    loading, give another digest), with `variant` mixed in."""
+    digest = hashlib.sha256(f"{lm.model.config.to_json_string()}|{lm.dtype}|{variant}".encode())
+    named = list(lm.model.named_parameters())
+    # the attention weights tell models of one config apart; a model naming them otherwise is hashed whole
+    attention_weights = [(name, p) for name, p in named if "attn" in name or "attention" in name] or named
+    for name, parameter in attention_weights:
+        digest.update(name.encode())
+        digest.update(parameter.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:24]
 
 
 def load_model(spec: str, dtype: str = "auto", device: str = "auto", device_map: str | None = None,

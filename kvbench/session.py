@@ -142,6 +142,7 @@ class Session:
         if len(plans) > 1:
             raise ValueError(f"the rows of a batch must share one budget and its layer budgets, got {sorted(plans)}")
         self.budget = plans.pop()[0]
+        policy.prepare(lm)
         headrooms = [max(settings.evict_every, settings.prefill_chunk if settings.prefill == "chunked" else 1, a)
                      for a in arrivals]
         padded = left_padding is not None and int(left_padding.max()) > 0

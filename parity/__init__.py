@@ -1,6 +1,14 @@
 """kvbench against kvpress itself: parity.prepare, parity.run_kvpress (kvpress's environment), parity.compare."""
 
 
+from pathlib import Path
+
+
 def kept_per_head(config: dict, prompt_tokens: int) -> int:
     """The entries each side keeps per layer and KV head of a prompt: `budget_ratio` of it, rounded down."""
     return int(config["budget_ratio"] * prompt_tokens)
+
+
+def pattern_folder(work: Path, case: dict, model: str) -> Path:
+    """Where parity.prepare writes `case`'s head pattern for `model` (full_attention_heads.tsv, config.json)."""
+    return work / "patterns" / case["name"] / model

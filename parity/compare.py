@@ -22,7 +22,7 @@ import yaml
 from kvbench.models import load_model
 from kvbench.policies.base import build_spec
 from kvbench.session import RunSettings, Session
-from parity import kept_per_head
+from parity import kept_per_head, pattern_folder
 from tests.helpers import kept_masks
 
 CASES = Path(__file__).with_name("cases.yaml")
@@ -61,8 +61,13 @@ def compare(work: Path, config: dict) -> list[Agreement]:
         lm = load_model(str(work / "models" / name), dtype="float32", device="cpu")
         for case in config["cases"]:
             scores, ours_kept, theirs_kept = [], 0, 0
+            spec, window = case["kvbench"], case.get("pattern")
+            if window is not None:  # the same pattern file, at the budget its window keeps
+                spec = {**spec, "pattern": str(pattern_folder(work, case, name))}
             for prompt, their_masks in zip(prompts[name], theirs[name][case["name"]], strict=True):
-                our_masks = kvbench_masks(lm, case["kvbench"], prompt, kept_per_head(config, len(prompt)))
+                budget = kept_per_head(config, len(prompt)) if window is None else \
+                    window["sink_size"] + window["recent_size"]
+                our_masks = kvbench_masks(lm, spec, prompt, budget)
                 for ours, other in zip(our_masks, their_masks, strict=True):
                     scores.append(agreement(ours, other, case["agreement"]))
                     ours_kept, theirs_kept = ours_kept + int(ours.sum()), theirs_kept + int(other.sum())

@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 from kvbench.models import load_model, local_source
 from kvbench.tasks.corpus import load_corpus
+from parity import pattern_folder
 
 CASES = Path(__file__).with_name("cases.yaml")
 # random weights attend almost uniformly, where scores tie; peaked attention separates them, too peaked an attention
@@ -65,6 +66,18 @@ def prompts_for(spec: dict, folder: Path) -> list[list[int]]:
     return [ids[1000 * (i + 1) : 1000 * (i + 1) + n] for i, n in enumerate(lengths)]
 
 
+def write_pattern(folder: Path, model: Path, window: dict) -> None:
+    """A DuoAttention head pattern for `model` in the official layout: a random gate in [0, 1) per layer and KV head
+    (distinct, so the heads' order is the same on both sides) and the streaming heads' window."""
+    model_config = transformers.AutoConfig.from_pretrained(model)
+    heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
+    gates = torch.rand(model_config.num_hidden_layers, heads, generator=torch.Generator().manual_seed(SEED))
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "full_attention_heads.tsv").write_text(
+        "".join("\t".join(f"{gate:.6f}" for gate in layer) + "\n" for layer in gates.tolist()))
+    (folder / "config.json").write_text(json.dumps(window))
+
+
 def main(work: Path) -> None:
     transformers.utils.logging.disable_progress_bar()
     config = yaml.safe_load(CASES.read_text())
@@ -77,6 +90,9 @@ def main(work: Path) -> None:
             else:
                 linked_without_chat_template(Path(local_source(spec["embedded"])), folder)
         prompts[spec["name"]] = prompts_for(spec, folder)
+        for case in config["cases"]:
+            if "pattern" in case:
+                write_pattern(pattern_folder(work, case, spec["name"]), folder, case["pattern"])
         print(f"parity: {spec['name']}: prompts of {[len(p) for p in prompts[spec['name']]]} tokens", flush=True)
     (work / "prompts.json").write_text(json.dumps(prompts))
 

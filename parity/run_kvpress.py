@@ -17,12 +17,13 @@ from importlib.metadata import version
 from pathlib import Path
 
 import kvpress
+import numpy as np
 import torch
 import transformers
 import yaml
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from parity import kept_per_head
+from parity import kept_per_head, pattern_folder
 
 CASES = Path(__file__).with_name("cases.yaml")
 
@@ -41,6 +42,16 @@ def compression_ratio(press, kept: int, prompt: int, slots: int) -> float:
     if isinstance(press, kvpress.KVzipPress):
         return (prompt - kept) / prompt + 1e-9
     return 1 - kept / prompt - 1e-9
+
+
+def local_pattern(folder: Path):
+    """DuoAttentionPress's `load_attention_pattern`, reading `folder` (parity.prepare's) instead of the DuoAttention
+    repository: its sink and recent sizes and its gates, clipped as kvpress clips the downloaded ones."""
+    def load(model):
+        window = json.loads((folder / "config.json").read_text())
+        gates = np.clip(np.loadtxt(folder / "full_attention_heads.tsv", dtype=float, delimiter="\t"), 0, 1)
+        return window["sink_size"], window["recent_size"], gates
+    return load
 
 
 def prompt_keys(model, ids: torch.Tensor) -> list[torch.Tensor]:
@@ -91,7 +102,10 @@ def main(work: Path, cases: list[str] | None = None) -> None:
             n, slots = len(prompt), model.config.num_hidden_layers * model.config.num_key_value_heads * len(prompt)
             for case in config["cases"]:
                 press = build_press(case["kvpress"])
-                press.compression_ratio = compression_ratio(press, kept_per_head(config, n), n, slots)
+                if "pattern" in case:  # the press decides its own counts from its pattern
+                    press.load_attention_pattern = local_pattern(pattern_folder(work, case, name))
+                else:
+                    press.compression_ratio = compression_ratio(press, kept_per_head(config, n), n, slots)
                 for layer in model.model.layers:
                     layer.self_attn.masked_key_indices = None
                 cache = DynamicCache()

@@ -21,6 +21,7 @@ from kvbench.registry import Registry, declared_params
 
 if TYPE_CHECKING:
     from kvbench.cache import KVCache, LayerKV
+    from kvbench.models import LoadedModel
     from kvbench.session import Session
     from kvbench.storage import Layout
 
@@ -108,6 +109,11 @@ class Policy:
         """Entries per KV head for each layer (the same `budget` everywhere by default); `prompt_tokens`, when the
         cache knows it, lets a schedule cap a layer at what the prompt holds (PyramidKV)."""
         return [budget] * num_layers
+
+    @hook("all")
+    def prepare(self, lm: LoadedModel) -> None:
+        """Called when a session is made, before anything is fed: a policy may read or run the model here, once,
+        untimed (RazorAttention's calibration forward, DuoAttention's pattern checked against the model's heads)."""
 
     @hook("first")
     def after_prompt(self, session: Session, prompt: torch.Tensor) -> None:
@@ -263,6 +269,37 @@ class PromptScorer(Policy):
     @property
     def evicts_during_decode(self) -> bool:
         return self.decode
+
+
+@dataclasses.dataclass
+class RetrievalHeads(Policy):
+    """A head-level policy (RazorAttention, DuoAttention): its retrieval heads keep every entry; every other KV head
+    (a streaming head) keeps the first `sinks` entries and the most recent, `budget` in all, as StreamingLLM keeps
+    them, while the prompt is compressed and while decoding. A subclass says which KV heads are retrieval heads
+    (`retrieval_heads`); the kept counts differ per head, stored as Ada-KV's are (padded to a layer's widest head)."""
+
+    sinks: int = 4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sinks < 0:
+            raise KvbenchError(f"policy '{self.name}' parameter 'sinks' must be >= 0, got {self.sinks}")
+
+    def check_budget(self, budget: int) -> None:
+        if budget <= self.sinks:
+            raise KvbenchError(f"{self.name}: budget {budget} leaves its streaming heads no room beyond "
+                               f"sinks={self.sinks}")
+
+    def retrieval_heads(self) -> torch.Tensor:
+        """`[layers, kv_heads]` booleans: True for the KV heads that keep every entry."""
+        raise NotImplementedError
+
+    def select(self, layer: LayerKV, budget: int) -> torch.Tensor:
+        retrieval = self.retrieval_heads()[layer.layer_idx].to(layer.device)
+        positions = layer.live_positions()
+        # a padding slot holds an entry dropped before (neither a sink nor recent) or a batch's left padding, which
+        # the cache drops whatever a policy selects
+        return retrieval[None, :, None] | (positions < self.sinks) | recent_mask(layer, budget - self.sinks)
 
 
 def _forwarding(name: str, scope: HookScope) -> Callable:

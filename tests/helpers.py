@@ -1,7 +1,21 @@
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 from kvbench.check import kept_masks
+from kvbench.policies import build_policy
 from kvbench.session import RunSettings, Session
+
+# what a policy needs on the tests' random models and has no default for: duoattention's head pattern (random:tiny-llama
+# and tiny-qwen2: 2 layers x 2 KV heads) and sinks that fit the tests' budgets
+NEEDED_PARAMS: dict[str, dict[str, Any]] = {
+    "duoattention": {"pattern": str(Path(__file__).with_name("data") / "tiny-llama-pattern.tsv"), "sinks": 4}}
+
+
+def tiny_policy(name: str, params: dict[str, Any] | None = None):
+    """`name` at its defaults (and `params`), given what it needs on the tests' models (`NEEDED_PARAMS`)."""
+    return build_policy(name, {**NEEDED_PARAMS.get(name, {}), **(params or {})})
 
 
 def run_session(lm, policy, prompt, decode, budget, chunk=None, evict_every=1):

@@ -27,6 +27,7 @@ from kvbench.results import RunFolder
 from kvbench.session import Prompt, RunSettings, Session, generate, generate_rows
 from kvbench.sweep import expand
 from tests.conftest import random_ids
+from tests.helpers import NEEDED_PARAMS
 from tests.test_sweep import ROOT, records_by_key, sweep, sweep_until, write_config
 
 runner = CliRunner()
@@ -34,7 +35,8 @@ runner = CliRunner()
 # what a batch measures together (or, for memory, as a process): the only columns a batched record may change
 TIMING = {"ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s", "batch_size", "mem_peak_alloc", "mem_peak_reserved",
           "mem_peak_device", "mem_group_peak_alloc", "mem_group_peak_reserved", "mem_group_peak_device",
-          "mem_baseline", "mem_device_note"}
+          "mem_baseline", "mem_device_note",
+          "calibration_s"}  # a per-model calibration's seconds: paid by the first cell of a model that calibrates
 
 SNAP = {"name": "snapkv", "window": 8}
 # every registered policy, at parameters that fit prompts of 30-250 tokens and budgets of 24 tokens or half
@@ -49,6 +51,8 @@ POLICY_SPECS = [
     {"name": "knorm", "decode": True}, "keydiff", {"name": "lagkv", "lag_size": 8, "sink_size": 2},
     {"name": "merge", "recent": 4, "sinks": 2}, {"name": "scissorhands", "history": 8, "recent": 4}, "random",
     {"name": "kvzip", "chunk": 64}, {"name": "adaptive", "limit_bytes": 20000, "fallback": "h2o"},
+    {"name": "razorattention", "calibration_tokens": 32, "induction": 0.25},
+    {"name": "duoattention", **NEEDED_PARAMS["duoattention"]},
     # compressed storage: every token at fewer bits (batches rows of one length), and under an eviction policy
     {"name": "quant", **QUANT}, {"name": "mixed_precision", "recent": 8, "group_size": 8},
     {"name": "lowrank", "rank": 4}, {"name": "h2o", "budgets": [24], "storage": {"quant": QUANT}},
@@ -184,7 +188,9 @@ def alone_and_batched(lm, name: str, params: dict, settings: RunSettings, rows: 
 
 
 @pytest.mark.parametrize("name, params", [("h2o", {}), ("snapkv", {"window": 8}), ("tova", {}),
-                                          ("scissorhands", {"history": 8, "recent": 4}), ("window", {})])
+                                          ("scissorhands", {"history": 8, "recent": 4}), ("window", {}),
+                                          ("razorattention", {"calibration_tokens": 32, "induction": 0.25}),
+                                          ("duoattention", NEEDED_PARAMS["duoattention"])])
 def test_each_row_stops_at_its_own_end_of_sequence(sharp_llama, name, params):
     """A row whose answer ends early (an end-of-sequence token it met alone) keeps its record as it ended, while
     the others decode on."""

@@ -8,6 +8,7 @@ import torch
 from kvbench.policies import POLICIES, Policy, build_policy
 from kvbench.session import RunSettings, generate
 from tests.conftest import random_ids
+from tests.helpers import tiny_policy
 
 NEW_TOKENS = 12
 
@@ -47,7 +48,7 @@ def test_full_is_bit_identical_to_generate(model, request):
 def test_policy_with_budget_above_sequence_is_bit_identical(tiny_llama, name):
     prompt = random_ids(200, seed=4)
     tokens, logits = stock_generate(tiny_llama, prompt)
-    result = ours(tiny_llama, build_policy(name), prompt, budget=len(prompt) + NEW_TOKENS)
+    result = ours(tiny_llama, tiny_policy(name), prompt, budget=len(prompt) + NEW_TOKENS)
     assert result.measurements["evictions"] == 0
     assert result.tokens == tokens
     assert torch.equal(result.last_logits, logits)

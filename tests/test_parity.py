@@ -10,6 +10,7 @@ import yaml
 from kvbench.policies.base import build_spec
 from parity.compare import CASES, Agreement, agreement, kvbench_masks, verdicts
 from tests.conftest import random_ids
+from tests.helpers import NEEDED_PARAMS
 
 CONFIG = yaml.safe_load(CASES.read_text())
 
@@ -18,9 +19,12 @@ def test_every_case_builds_and_states_its_tolerance_and_reason():
     names = [case["name"] for case in CONFIG["cases"]]
     assert len(names) == len(set(names))
     assert {"snapkv", "streaming_llm", "knorm", "tova", "pyramidkv", "expected_attention", "keydiff", "lagkv",
-            "chunkkv", "criticalkv", "ada_kv", "kvzip"} <= set(names)
+            "chunkkv", "criticalkv", "ada_kv", "kvzip", "duoattention"} <= set(names)
     for case in CONFIG["cases"]:
-        assert build_spec(case["kvbench"]).name == case["name"]
+        # a case with a pattern reads the one parity.prepare writes; any pattern builds it here
+        pattern = {"pattern": NEEDED_PARAMS["duoattention"]["pattern"]} if "pattern" in case else {}
+        assert build_spec({**case["kvbench"], **pattern}).name == case["name"]
+        assert set(case.get("pattern", {})) <= {"sink_size", "recent_size"}
         assert case["agreement"] in ("jaccard", "nested") and case["kvpress"]["class"].endswith("Press")
         assert 0 < case["min_worst"] <= case["min_mean"] <= 1 and case["reason"]
 

@@ -14,11 +14,12 @@ from kvbench.cache import LayerKV
 from kvbench.policies import POLICIES, build_policy
 from kvbench.session import RunSettings, Session, cache_measurements, generate, shared_prefill
 from tests.conftest import random_ids
+from tests.helpers import NEEDED_PARAMS
 
 PROMPT = random_ids(160, seed=21)
 BUDGET = 64
 # every registered policy that compresses a prompt (its defaults), and one with compressed storage
-POLICY_SPECS = [(name, {}) for name in POLICIES.names() if POLICIES.get(name).phases] + [
+POLICY_SPECS = [(name, NEEDED_PARAMS.get(name, {})) for name in POLICIES.names() if POLICIES.get(name).phases] + [
     ("h2o", {"storage": {"quant": {"bits": 4, "residual": 16}}})]
 
 

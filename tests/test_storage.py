@@ -15,7 +15,7 @@ from kvbench.errors import KvbenchError
 from kvbench.policies import POLICIES, Policy, build_policy
 from kvbench.session import RunSettings, generate
 from tests.conftest import random_ids
-from tests.helpers import run_cache
+from tests.helpers import run_cache, tiny_policy
 
 NEW_TOKENS = 8
 
@@ -227,8 +227,8 @@ EVICTION = sorted(n for n in POLICIES.names() if POLICIES.get(n).phases and POLI
 @pytest.mark.parametrize("name", EVICTION)
 def test_every_eviction_policy_composes_with_a_storage(tiny_llama, name):
     prompt = random_ids(300, seed=8)
-    plain = ours(tiny_llama, build_policy(name), prompt, budget=96).measurements
-    stored = ours(tiny_llama, build_policy(name, {"storage": {"quant": {"bits": 4, "group_size": 8, "residual": 16}}}),
+    plain = ours(tiny_llama, tiny_policy(name), prompt, budget=96).measurements
+    stored = ours(tiny_llama, tiny_policy(name, {"storage": {"quant": {"bits": 4, "group_size": 8, "residual": 16}}}),
                   prompt, budget=96).measurements
     assert stored["kept_mean"] == plain["kept_mean"] and stored["evictions"] == plain["evictions"]
     # head_dim 16: scales weigh a lot; a policy keeping scattered tokens pays a whole key-scale row for few of them

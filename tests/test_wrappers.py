@@ -63,7 +63,7 @@ def call_hook(policy: Policy, name: str, cache) -> None:
     arguments = {"observe": (layer, None, None, 1.0, cache.phase), "score": (layer, 8), "select": (layer, 8),
                  "fold": (layer, None), "layer_budgets": (8, 2), "active": (cache,), "report": (),
                  "check_settings": (False,), "check_budget": (8,), "observers": (), "state_keys": (),
-                 "batch_limits": (), "after_prompt": (SimpleNamespace(cache=cache), None)}
+                 "batch_limits": (), "after_prompt": (SimpleNamespace(cache=cache), None), "prepare": (None,)}
     getattr(policy, name)(*arguments[name])
 
 
