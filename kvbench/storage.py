@@ -6,6 +6,9 @@ the last holds every older token in the cache's movable slots, so an eviction po
 evicts compressed entries exactly as it evicts plain ones. Tokens move to the next tier `group` at a time
 (KIVI quantizes keys over groups of tokens, so a group is encoded whole).
 
+A layout with `channel_scores` (ThinK's key channels) is fitted to the compressed prompt: the cache holds the
+prompt in plain layers until it is compressed, then stores it (`KVCache.store_prompt`, `Layout.layer(prompt=...)`).
+
 Attention reads a decoded copy of the layer (no fused dequantizing kernel here): one layer's full-precision
 K/V exists during its attention, and `kv_bytes_peak` counts it. A layer without a layout never comes here.
 

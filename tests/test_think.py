@@ -53,7 +53,8 @@ def stock_forward(lm, ids: list[int], cache: DynamicCache, start: int = 0) -> to
 def reference_channels(window_queries: torch.Tensor, key: torch.Tensor, ratio: float) -> list[set[int]]:
     """The paper's criterion for one layer, a plain loop per KV head and channel: channel c scores
     ||Q_window[:, c]||^2 / window (averaged over the head's query heads) x ||K[:, c]||^2 / n; the best
-    head_dim - int(head_dim x ratio) channels are kept. `window_queries` `[heads, window, D]`, `key` `[kv_heads, n, D]`."""
+    head_dim - int(head_dim x ratio) channels are kept. `window_queries`: `[heads, window, D]`; `key`:
+    `[kv_heads, n, D]`."""
     kv_heads, n, head_dim = key.shape
     heads, window, _ = window_queries.shape
     group = heads // kv_heads
@@ -157,9 +158,9 @@ def test_composes_with_snapkv_scoring_its_survivors(sharp_llama):
     assert all(torch.equal(a, b) for a, b in zip(kept, kept_masks(composed.cache), strict=True))
     queries, keys = stock_queries_and_keys(lm, prompt)
     group = queries[0].shape[0] // keys[0].shape[0]
-    expected = [[reference_channels(query[head * group : (head + 1) * group, -WINDOW:], key[head : head + 1, held[head]],
-                                    0.5)[0] for head in range(key.shape[0])]  # each head's own survivors
-                for query, key, held in zip(queries, keys, kept, strict=True)]
+    expected = [[reference_channels(query[head * group : (head + 1) * group, -WINDOW:],
+                                    key[head : head + 1, held[head]], 0.5)[0]  # each head's own survivors
+                 for head in range(key.shape[0])] for query, key, held in zip(queries, keys, kept, strict=True)]
     assert stored_channels(composed) == expected
     # and not the channels of the whole prompt: the survivors change the choice somewhere
     assert expected != [reference_channels(q[:, -WINDOW:], k, 0.5) for q, k in zip(queries, keys, strict=True)]
@@ -180,7 +181,7 @@ def test_composes_with_snapkv_scoring_its_survivors(sharp_llama):
     ({"recent": -1}, "parameter 'recent' must be at least 0"),
 ])
 def test_bad_parameters_are_one_line_errors(params, culprit):
-    for build in (lambda: build_policy("think", params), lambda: build_policy("snapkv", {"storage": {"think": params}})):
+    for name, spec in (("think", params), ("snapkv", {"storage": {"think": params}})):
         with pytest.raises(KvbenchError) as error:
-            build()
+            build_policy(name, spec)
         assert culprit in str(error.value) and "\n" not in str(error.value)
