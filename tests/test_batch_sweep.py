@@ -52,6 +52,7 @@ POLICY_SPECS = [
     # compressed storage: every token at fewer bits (batches rows of one length), and under an eviction policy
     {"name": "quant", **QUANT}, {"name": "mixed_precision", "recent": 8, "group_size": 8},
     {"name": "lowrank", "rank": 4}, {"name": "h2o", "budgets": [24], "storage": {"quant": QUANT}},
+    {"name": "think", "window": 8, "recent": 4}, {"name": "snapkv", "window": 8, "storage": {"think": {"window": 8}}},
 ]
 
 # samples of very different lengths (the shortest an eighth of the longest), answers cut at different lengths,
