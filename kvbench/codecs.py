@@ -120,6 +120,10 @@ class Codec:
         """Given each KV head's channel scores `[B, H, D]` before the first entry is encoded (a layout with
         `channel_scores`): a codec that keeps some channels keeps the best; the others ignore them."""
 
+    def kept_channels(self) -> torch.Tensor | None:
+        """`[B, H, kept]`: the channels each head stores, if not all."""
+        return None
+
     def entry_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
         return sum(math.prod(shape) * kind.itemsize for shape, kind in self.fields(head_dim, dtype).values())
 
@@ -316,6 +320,9 @@ class KeyChannels(Codec):
 
     def choose_channels(self, scores: torch.Tensor) -> None:
         self.channels = scores.topk(self.kept, dim=-1).indices.sort(dim=-1).values
+
+    def kept_channels(self) -> torch.Tensor | None:
+        return self.channels
 
     def fields(self, head_dim: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {"x": ((self.kept,), dtype)}
