@@ -185,3 +185,15 @@ def test_bad_parameters_are_one_line_errors(params, culprit):
         with pytest.raises(KvbenchError) as error:
             build_policy(name, spec)
         assert culprit in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_wrapper_with_think_storage_observes_for_it(sharp_llama):
+    """A wrapper's storage is one of its observers: hybrid (SnapKV, then H2O) with think stores SnapKV's survivors in
+    the channels snapkv + think chooses, and H2O then evicts stored entries while decoding."""
+    lm, prompt, storage = sharp_llama, random_ids(160, seed=16), {"think": {"ratio": 0.5, "window": WINDOW}}
+    snapkv = think_session(lm, {"name": "snapkv", "storage": storage}, prompt, budget=64)
+    hybrid = think_session(lm, {"name": "hybrid", "storage": storage}, prompt, budget=64)
+    assert stored_channels(hybrid) == stored_channels(snapkv)
+    for token in random_ids(6, seed=17):
+        hybrid.step(token)
+    assert hybrid.cache.stats().kept_max == 64 and hybrid.cache.evictions > 0
