@@ -144,9 +144,9 @@ def test_a_batched_sweep_records_what_an_unbatched_one_does(tmp_path, ragged):
     fallback = json.loads((tmp_path / "batched" / "manifest.json").read_text())["batching"]
     assert fallback["batch_size"] == 4
     lines = "\n".join(fallback["fallback"])
-    for name in ("kvzip", "adaptive", "random", "merge", "quant", "h2o(storage="):
+    for name in ("kvzip", "adaptive", "random", "merge", "quant", "h2o(storage=", "snapkv(storage="):
         assert name in lines, name
-    assert not any(line.startswith("snapkv") for line in fallback["fallback"])
+    assert not any(line.startswith("snapkv") and "storage=" not in line for line in fallback["fallback"])
 
 
 @pytest.mark.parametrize("model, overrides", [
