@@ -11,8 +11,9 @@ A sliding-window layer (`LayerKind.window`, from the model's config) holds at mo
 forwards, as transformers' own sliding-window cache does: after each attention it drops the oldest beyond that,
 which no later query can see. A policy's budget bounds it too (a budget below the window evicts there as well).
 
-A policy with a storage layout (quant, mixed_precision, lowrank, or `storage:` on an eviction policy) gets
-`StoredLayerKV` layers instead (kvbench/storage.py): the same slots, holding compressed entries.
+A policy with a storage layout (quant, mixed_precision, lowrank, think, or `storage:` on an eviction policy) gets
+`StoredLayerKV` layers instead (kvbench/storage.py): the same slots, holding compressed entries. A layout fitted to
+the compressed prompt (ThinK's key channels) gets them once the prompt is compressed (`store_prompt`).
 """
 
 from __future__ import annotations
@@ -459,7 +460,10 @@ class KVCache(Cache):
                 raise KvbenchError(f"policy '{policy.name}': compressed storage runs at batch 1, or batches rows of "
                                    "one length without eviction")
             layout.fit(batch_heads_dim[2])
-        super().__init__(layers=[layout.layer(self, i) if layout else LayerKV(self, i) for i in range(num_layers)])
+        # a layout fitted to the compressed prompt (ThinK's key channels) waits for it in plain layers
+        self.prompt_layout = layout if layout is not None and layout.after_prompt else None
+        stored_now = layout is not None and self.prompt_layout is None
+        super().__init__(layers=[layout.layer(self, i) if stored_now else LayerKV(self, i) for i in range(num_layers)])
 
     def __deepcopy__(self, memo: dict) -> KVCache:
         twin = copy.copy(self)
@@ -549,6 +553,19 @@ class KVCache(Cache):
                 layer.own()
                 if self.rows is not None:
                     self.rows.owned(self, layer.layer_idx)
+
+    def store_prompt(self) -> None:
+        """Once the prompt is compressed, store it by a layout fitted to it (`Layout.after_prompt`): each plain layer
+        becomes a stored one holding the same entries and statistics. A no-op for any other cache, or once done."""
+        layout, self.prompt_layout = self.prompt_layout, None
+        if layout is None:
+            return
+        stats = [*self.policy.state_keys(), PADDING]
+        for index, plain in enumerate(self.layers):
+            if plain.is_initialized:
+                stored = layout.layer(self, index, prompt=plain)
+                stored.copy_from(plain, stats=stats)
+                self.layers[index] = stored
 
     def compress(self) -> None:
         """Evict down to the budget: always after a prefill chunk, every `evict_every` tokens in decode."""

@@ -30,6 +30,7 @@ from kvbench.measure import Stopwatch, memory_pressure, open_nvml, tracing
 from kvbench.models import LoadedModel
 from kvbench.policies import build_policy
 from kvbench.session import RunSettings, Session
+from kvbench.storage import StoredLayerKV
 
 Status = Literal["pass", "fail", "skip"]
 # the policies checked by default, and every one `--policies` may name: those with a plain-loop reference
@@ -253,6 +254,18 @@ def kept_masks(cache: KVCache) -> list[torch.Tensor]:
         held = torch.ones_like(positions, dtype=torch.bool) if padding is None else ~padding[0].cpu()
         mask.scatter_(1, positions, held)
         masks.append(mask)
+    return masks
+
+
+def kept_channels(cache: KVCache) -> list[torch.Tensor]:
+    """Per layer, a `[kv_heads, head_dim]` mask of the key channels the cache stores for its older entries (the first
+    row's): all of them, but those ThinK prunes."""
+    _, heads, head_dim = cache.batch_heads_dim
+    masks = []
+    for layer in cache_layers(cache):
+        channels = layer.final.keys.kept_channels() if isinstance(layer, StoredLayerKV) else None
+        mask = torch.ones(heads, head_dim, dtype=torch.bool)
+        masks.append(mask if channels is None else mask.zero_().scatter_(1, channels[0].cpu(), True))
     return masks
 
 

@@ -1,5 +1,5 @@
-"""How one tensor of cached entries (keys or values) is stored: as is, quantized and bit-packed, or as
-coefficients on a low-rank basis.
+"""How one tensor of cached entries (keys or values) is stored: as is, quantized and bit-packed, as
+coefficients on a low-rank basis, or as the channels a head keeps.
 
 A codec turns entries `[B, H, n, D]` into per-slot fields `{name: [B, H, n, ...]}` (which move with their
 slots when the cache evicts) and back. Some keep a layer-wide table beside the slots: KIVI's per-channel
@@ -115,6 +115,14 @@ class Codec:
     def has_row(self, position: int) -> bool:
         """Whether the table already has room for `position` (if it frees rows: else it never grows)."""
         return True
+
+    def choose_channels(self, scores: torch.Tensor) -> None:
+        """Given each KV head's channel scores `[B, H, D]` before the first entry is encoded (a layout with
+        `channel_scores`): a codec that keeps some channels keeps the best; the others ignore them."""
+
+    def kept_channels(self) -> torch.Tensor | None:
+        """`[B, H, kept]`: the channels each head stores, if not all."""
+        return None
 
     def entry_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
         return sum(math.prod(shape) * kind.itemsize for shape, kind in self.fields(head_dim, dtype).values())
@@ -291,6 +299,50 @@ class LowRank(Codec):
         kept = min(self.rank, directions.shape[-1])  # a prompt shorter than the rank spans fewer directions
         basis[..., :kept] = directions[..., :kept]
         return basis.to(x.dtype)
+
+
+@dataclass
+class KeyChannels(Codec):
+    """ThinK's keys: each KV head stores only the channels it keeps, `head_dim - int(head_dim x pruned)` of them
+    (the fewest kvpress's ThinKPress keeps), chosen once by `choose_channels`; the table is their indices
+    `[B, H, kept]`. A pruned channel decodes as zero, so a query's dot product sums over the kept channels only:
+    what kvpress computes on keys whose pruned channels it zeroes, in fewer bytes."""
+
+    pruned: float = 0.5
+    head_dim: int = 0  # set by `fit`
+    kept: int = 0
+    channels: torch.Tensor | None = field(default=None, repr=False)  # [B, H, kept] int64, ascending
+
+    def fit(self, head_dim: int) -> None:
+        self.head_dim, self.kept = head_dim, head_dim - int(head_dim * self.pruned)
+        if self.kept < 1:
+            raise ValueError(f"pruning {self.pruned} of head_dim {head_dim} leaves no key channel")
+
+    def choose_channels(self, scores: torch.Tensor) -> None:
+        self.channels = scores.topk(self.kept, dim=-1).indices.sort(dim=-1).values
+
+    def kept_channels(self) -> torch.Tensor | None:
+        return self.channels
+
+    def fields(self, head_dim: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"x": ((self.kept,), dtype)}
+
+    def encode(self, x: torch.Tensor, positions: torch.Tensor, chosen: torch.Tensor, newest: int) -> Fields:
+        assert self.channels is not None, "the key channels are chosen before the first entry is stored"
+        return {"x": x.gather(-1, self._index(x))}
+
+    def decode(self, fields: Fields, positions: Positions, out: torch.Tensor | None = None) -> torch.Tensor:
+        kept = fields["x"]
+        if out is None:
+            out = kept.new_empty(*kept.shape[:-1], self.head_dim)
+        return out.zero_().scatter_(-1, self._index(out), kept)
+
+    def table_bytes(self, positions: Positions | None = None, held: torch.Tensor | None = None) -> int:
+        return 0 if self.channels is None else self.channels.numel() * self.channels.element_size()
+
+    def _index(self, like: torch.Tensor) -> torch.Tensor:
+        """The kept channels' indices, one row per slot of `like` `[B, H, n, ...]`."""
+        return self.channels[:, :, None, :].expand(*like.shape[:3], self.kept)
 
 
 def _as_tensor(positions: Positions, like: torch.Tensor) -> torch.Tensor:

@@ -239,6 +239,7 @@ class Session:
                 if start + chunk >= ids.shape[1]:
                     self.policy.after_prompt(self, ids)
                 self._compress()
+        self.cache.store_prompt()
         self._enter(Phase.DECODE)
         self.prefill_s += clock.lap() + own_statistics
         self.tokens_fed += ids.numel()
@@ -347,6 +348,8 @@ class Session:
             if self.cache.phase is Phase.PREFILL:
                 self.policy.after_prompt(self, fed[:, :chunk])
             self._compress()
+            if self.cache.phase is Phase.PREFILL:
+                self.cache.store_prompt()
             seconds = clock.lap()
             self.prefill_s += seconds
             if logits.shape[0] == 1:

@@ -6,6 +6,9 @@ the last holds every older token in the cache's movable slots, so an eviction po
 evicts compressed entries exactly as it evicts plain ones. Tokens move to the next tier `group` at a time
 (KIVI quantizes keys over groups of tokens, so a group is encoded whole).
 
+A layout with `channel_scores` (ThinK's key channels) is fitted to the compressed prompt: the cache holds the
+prompt in plain layers until it is compressed, then stores it (`KVCache.store_prompt`, `Layout.layer(prompt=...)`).
+
 Attention reads a decoded copy of the layer (no fused dequantizing kernel here): one layer's full-precision
 K/V exists during its attention, and `kv_bytes_peak` counts it. A layer without a layout never comes here.
 
@@ -18,6 +21,7 @@ grow does it read the oldest position held, to give the rows of evicted groups b
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +45,14 @@ class Layout:
     name: str
     tiers: list[Tier]
     group: int = 1
+    # each KV head's key channel scores `[B, H, D]` from a layer's compressed prompt (ThinK): such a layout stores
+    # the prompt once it is compressed (`KVCache.store_prompt`), its key codecs keeping the best channels
+    channel_scores: Callable[[LayerKV], torch.Tensor] | None = None
+
+    @property
+    def after_prompt(self) -> bool:
+        """Whether the layout is fitted to the compressed prompt, so that plain layers hold the prompt until then."""
+        return self.channel_scores is not None
 
     def fit(self, head_dim: int) -> None:
         """Fit the codecs to the model's head_dim, or say in one line why they cannot store it."""
@@ -51,8 +63,16 @@ class Layout:
                 except ValueError as exc:
                     raise KvbenchError(f"{self.name}: {exc}") from None
 
-    def layer(self, owner, layer_idx: int) -> StoredLayerKV:
-        return StoredLayerKV(owner, layer_idx, copy.deepcopy(self))  # codecs keep per-layer tables
+    def layer(self, owner, layer_idx: int, prompt: LayerKV | None = None) -> StoredLayerKV:
+        """A layer stored by a copy of this layout (codecs keep per-layer tables); one fitted to the prompt is given
+        the plain layer holding it, compressed, and its codecs choose their channels from it."""
+        layout = copy.deepcopy(self, {id(self.channel_scores): self.channel_scores})  # the scorer is not copied
+        if self.channel_scores is not None:
+            assert prompt is not None, f"{self.name} stores a prompt once it is compressed"
+            scores = self.channel_scores(prompt)
+            for tier in layout.tiers:
+                tier.keys.choose_channels(scores)
+        return StoredLayerKV(owner, layer_idx, layout)
 
 
 class StoredLayerKV(LayerKV):

@@ -3,8 +3,8 @@
     python -m parity.compare WORK [--markdown FILE] [--case NAME ...]   # reads WORK/kvpress.pt (parity.run_kvpress)
 
 Runs every case of parity/cases.yaml through kvbench on the same models and prompts, compares the positions each
-(prompt, layer, KV head) holds with kvpress's, prints one line per case and exits 1 when any case is below its
-tolerance.
+(prompt, layer, KV head) holds (or the key channels it keeps) with kvpress's, prints one line per case and exits 1
+when any case is below its tolerance.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import torch
 import transformers
 import yaml
 
+from kvbench.check import kept_channels, kept_masks
 from kvbench.models import load_model
 from kvbench.policies.base import build_spec
 from kvbench.session import RunSettings, Session
 from parity import kept_per_head, pattern_folder
-from tests.helpers import kept_masks
 
 CASES = Path(__file__).with_name("cases.yaml")
 
@@ -39,17 +39,20 @@ class Agreement:
 
 
 def agreement(ours: torch.Tensor, theirs: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per KV head `[heads]`: Jaccard of the held positions, or `nested` overlap (of the smaller set)."""
+    """Per KV head `[heads]`: Jaccard of the held positions (of the kept key channels for `channels`), or `nested`
+    overlap (of the smaller set)."""
     common = (ours & theirs).sum(-1).double()
     if kind == "nested":
         return common / torch.minimum(ours.sum(-1), theirs.sum(-1)).clamp_min(1)
     return common / (ours | theirs).sum(-1).clamp_min(1)
 
 
-def kvbench_masks(lm, spec: dict, prompt: list[int], budget: int) -> list[torch.Tensor]:
-    session = Session(lm, build_spec(spec), RunSettings(budget=budget), prompt_tokens=len(prompt))
+def kvbench_masks(lm, spec: dict, prompt: list[int], budget: int, kind: str) -> list[torch.Tensor]:
+    """Per layer, the `[kv_heads, prompt]` positions kvbench holds, or its `[kv_heads, head_dim]` key channels."""
+    policy = build_spec(spec)
+    session = Session(lm, policy, RunSettings(budget=budget if policy.phases else None), prompt_tokens=len(prompt))
     session.prefill(prompt)
-    return kept_masks(session.cache)
+    return kept_channels(session.cache) if kind == "channels" else kept_masks(session.cache)
 
 
 def compare(work: Path, config: dict) -> list[Agreement]:
@@ -67,7 +70,7 @@ def compare(work: Path, config: dict) -> list[Agreement]:
             for prompt, their_masks in zip(prompts[name], theirs[name][case["name"]], strict=True):
                 budget = kept_per_head(config, len(prompt)) if window is None else \
                     window["sink_size"] + window["recent_size"]
-                our_masks = kvbench_masks(lm, spec, prompt, budget)
+                our_masks = kvbench_masks(lm, spec, prompt, budget, case["agreement"])
                 for ours, other in zip(our_masks, their_masks, strict=True):
                     scores.append(agreement(ours, other, case["agreement"]))
                     ours_kept, theirs_kept = ours_kept + int(ours.sum()), theirs_kept + int(other.sum())

@@ -3,7 +3,8 @@
     python -m parity.run_kvpress WORK [--case NAME ...]   # reads WORK/models, WORK/prompts.json; writes WORK/kvpress.pt
 
 For every model, prompt and case of parity/cases.yaml: the prompt through the model under the case's press, then
-per layer a `[kv_heads, prompt]` mask of the positions the compressed cache holds. A kept key is located among the
+per layer a `[kv_heads, prompt]` mask of the positions the compressed cache holds (for a case of `agreement:
+channels`, a `[kv_heads, head_dim]` mask of the key channels it keeps). A kept key is located among the
 keys of the same prompt without a press (an exact match), so nothing depends on a press's layout; a press that
 masks entries instead of dropping them (AdaKV, KVzip) holds every position it does not mask.
 """
@@ -29,10 +30,24 @@ CASES = Path(__file__).with_name("cases.yaml")
 
 
 def build_press(spec: dict):
-    """A press from `{class: Name, param: value, press: {class: ...}}` (a wrapper's inner press nested)."""
-    params = {key: build_press(value) if isinstance(value, dict) else value
-              for key, value in spec.items() if key != "class"}
-    return getattr(kvpress, spec["class"])(**params)
+    """A press from `{class: Name, param: value, press: {class: ...}}` (a wrapper's inner press nested, a
+    ComposedPress's `presses` listed)."""
+    def built(value):
+        if isinstance(value, dict):
+            return build_press(value)
+        return [built(item) for item in value] if isinstance(value, list) else value
+
+    return getattr(kvpress, spec["class"])(**{key: built(value) for key, value in spec.items() if key != "class"})
+
+
+def set_compression_ratio(press, ratio: float) -> None:
+    """Give `press` (each press of a ComposedPress) the ratio of entries it drops; ThinKPress drops none (it prunes
+    key channels at its own ratio, and refuses another)."""
+    if isinstance(press, kvpress.ComposedPress):
+        for inner in press.presses:
+            set_compression_ratio(inner, ratio)
+    elif not isinstance(press, kvpress.ThinKPress):
+        press.compression_ratio = ratio
 
 
 def compression_ratio(press, kept: int, prompt: int, slots: int) -> float:
@@ -58,6 +73,12 @@ def prompt_keys(model, ids: torch.Tensor) -> list[torch.Tensor]:
     cache = DynamicCache()
     model(input_ids=ids, past_key_values=cache)
     return [layer.keys[0] for layer in cache.layers]
+
+
+def kept_channels(cache) -> list[torch.Tensor]:
+    """Per layer, a `[kv_heads, head_dim]` mask of the key channels ThinKPress kept: those not zeroed in every kept
+    key (a kept channel is zero throughout by chance with probability ~0)."""
+    return [(layer.keys[0] != 0).any(dim=1) for layer in cache.layers]
 
 
 def held_positions(model, cache, full_keys: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -105,13 +126,15 @@ def main(work: Path, cases: list[str] | None = None) -> None:
                 if "pattern" in case:  # the press decides its own counts from its pattern
                     press.load_attention_pattern = local_pattern(pattern_folder(work, case, name))
                 else:
-                    press.compression_ratio = compression_ratio(press, kept_per_head(config, n), n, slots)
+                    set_compression_ratio(press, compression_ratio(press, kept_per_head(config, n), n, slots))
                 for layer in model.model.layers:
                     layer.self_attn.masked_key_indices = None
                 cache = DynamicCache()
                 with press(model):
                     model(input_ids=ids, past_key_values=cache)
-                results[name].setdefault(case["name"], []).append(held_positions(model, cache, full_keys))
+                kept = kept_channels(cache) if case["agreement"] == "channels" else \
+                    held_positions(model, cache, full_keys)
+                results[name].setdefault(case["name"], []).append(kept)
             print(f"parity: kvpress {version('kvpress')} on {name}, {n} tokens: {len(config['cases'])} presses",
                   flush=True)
     torch.save(results, work / "kvpress.pt")

@@ -24,6 +24,7 @@ from kvbench.policies import (  # noqa: F401
     scissorhands,
     snapkv,
     streaming_llm,
+    think,
     tova,
     window,
 )

@@ -167,13 +167,17 @@ class Policy:
 
     @hook("all")
     def observers(self) -> list[Policy]:
-        """The policies whose `observe` must run for this one: itself, or a wrapper's stages."""
-        return [self] if self.needs_attention else []
+        """The policies whose `observe` must run for this one: itself, or a wrapper's stages, and its storage."""
+        return ([self] if self.needs_attention else []) + self._storage_answers("observers")
 
     @hook("all")
     def state_keys(self) -> list[str]:
-        """Every per-slot statistic this policy reads (a wrapper's stages have their own)."""
-        return [self.state_key]
+        """Every per-slot statistic this policy reads (a wrapper's stages and a storage have their own)."""
+        return [self.state_key] + self._storage_answers("state_keys")
+
+    def _storage_answers(self, hook_name: str) -> list:
+        """A list hook's answer from this policy's storage (ThinK observes the prompt's queries), [] without one."""
+        return [] if self._storage is None else getattr(self._storage, hook_name)()
 
     @property
     def state_key(self) -> str:
@@ -304,8 +308,9 @@ class RetrievalHeads(Policy):
 
 def _forwarding(name: str, scope: HookScope) -> Callable:
     def forward(self: Wrapper, *args: Any, **kwargs: Any) -> Any:
-        if scope == "all":
-            return _combined([getattr(stage, name)(*args, **kwargs) for stage in self._stages])
+        if scope == "all":  # the wrapper's own storage is asked too (ThinK observes the prompt's queries)
+            stages = self._stages if self._storage is None else (*self._stages, self._storage)
+            return _combined([getattr(stage, name)(*args, **kwargs) for stage in stages])
         # an "active" hook's first argument is a layer (whose owner is the cache) or the cache
         stage = self._stages[0] if scope == "first" else self.stage(getattr(args[0], "owner", args[0]))
         return getattr(stage, name)(*args, **kwargs)

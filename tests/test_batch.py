@@ -38,3 +38,17 @@ def test_padding_is_masked_in_the_prompt_forward(sharp_llama):
     alone.prefill(short)
     assert torch.allclose(batched.logits[0], alone.logits[0], atol=1e-4)
     assert batched.cache.layers[0].live_entries() == (20 + 33) * sharp_llama.kv_heads
+
+
+def test_think_rows_of_one_length_each_keep_their_own_channels(sharp_llama):
+    """ThinK batches rows of one length (no eviction): each row's key channels are chosen from its own prompt, so it
+    decodes as alone, and the batch holds the rows' bytes."""
+    prompts = [random_ids(48, seed=seed) for seed in (3, 4)]
+    policy = {"ratio": 0.5, "window": 8, "recent": 4}
+    rows, measured = generate_batch(sharp_llama, build_policy("think", policy), prompts, RunSettings(),
+                                    max_new_tokens=10, eos_token_ids=set())
+    for prompt, row in zip(prompts, rows, strict=True):
+        alone = generate(sharp_llama, build_policy("think", policy), prompt, [], RunSettings(), max_new_tokens=10,
+                         eos_token_ids=set())
+        assert row == alone.tokens
+    assert measured["kv_bytes_live"] == 2 * alone.measurements["kv_bytes_live"]

@@ -56,6 +56,7 @@ POLICY_SPECS = [
     # compressed storage: every token at fewer bits (batches rows of one length), and under an eviction policy
     {"name": "quant", **QUANT}, {"name": "mixed_precision", "recent": 8, "group_size": 8},
     {"name": "lowrank", "rank": 4}, {"name": "h2o", "budgets": [24], "storage": {"quant": QUANT}},
+    {"name": "think", "window": 8, "recent": 4}, {"name": "snapkv", "window": 8, "storage": {"think": {"window": 8}}},
 ]
 
 # samples of very different lengths (the shortest an eighth of the longest), answers cut at different lengths,
@@ -147,9 +148,9 @@ def test_a_batched_sweep_records_what_an_unbatched_one_does(tmp_path, ragged):
     fallback = json.loads((tmp_path / "batched" / "manifest.json").read_text())["batching"]
     assert fallback["batch_size"] == 4
     lines = "\n".join(fallback["fallback"])
-    for name in ("kvzip", "adaptive", "random", "merge", "quant", "h2o(storage="):
+    for name in ("kvzip", "adaptive", "random", "merge", "quant", "h2o(storage=", "snapkv(storage="):
         assert name in lines, name
-    assert not any(line.startswith("snapkv") for line in fallback["fallback"])
+    assert not any(line.startswith("snapkv") and "storage=" not in line for line in fallback["fallback"])
 
 
 @pytest.mark.parametrize("model, overrides", [

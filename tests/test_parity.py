@@ -19,13 +19,14 @@ def test_every_case_builds_and_states_its_tolerance_and_reason():
     names = [case["name"] for case in CONFIG["cases"]]
     assert len(names) == len(set(names))
     assert {"snapkv", "streaming_llm", "knorm", "tova", "pyramidkv", "expected_attention", "keydiff", "lagkv",
-            "chunkkv", "criticalkv", "ada_kv", "kvzip", "duoattention"} <= set(names)
+            "chunkkv", "criticalkv", "ada_kv", "kvzip", "duoattention", "think", "snapkv+think"} <= set(names)
     for case in CONFIG["cases"]:
         # a case with a pattern reads the one parity.prepare writes; any pattern builds it here
         pattern = {"pattern": NEEDED_PARAMS["duoattention"]["pattern"]} if "pattern" in case else {}
-        assert build_spec({**case["kvbench"], **pattern}).name == case["name"]
+        policy = build_spec({**case["kvbench"], **pattern})
+        assert "+".join([policy.name, *(policy.storage or {})]) == case["name"]  # a storage after a +
         assert set(case.get("pattern", {})) <= {"sink_size", "recent_size"}
-        assert case["agreement"] in ("jaccard", "nested") and case["kvpress"]["class"].endswith("Press")
+        assert case["agreement"] in ("jaccard", "nested", "channels") and case["kvpress"]["class"].endswith("Press")
         assert 0 < case["min_worst"] <= case["min_mean"] <= 1 and case["reason"]
 
 
@@ -40,10 +41,23 @@ def test_agreement_is_jaccard_or_the_overlap_of_the_smaller_set():
 def test_a_drifted_policy_fails_its_case(sharp_llama, broken):
     """kvbench's own SnapKV standing in for kvpress's: the same settings agree exactly, a drifted one fails."""
     prompt, case = random_ids(120, seed=5), next(c for c in CONFIG["cases"] if c["name"] == "snapkv")
-    reference = kvbench_masks(sharp_llama, case["kvbench"], prompt, 60)
+    assert drifted_verdicts(sharp_llama, case, broken, prompt) == [True, False]
+
+
+@pytest.mark.parametrize("case_name,broken", [("think", {"window": 2}), ("snapkv+think", {"kernel": 1})])
+def test_a_drifted_channel_choice_fails_its_case(sharp_llama, case_name, broken):
+    """The same with the key channels: fewer window queries, or other survivors, choose other channels."""
+    case = next(c for c in CONFIG["cases"] if c["name"] == case_name)
+    assert drifted_verdicts(sharp_llama, case, broken, random_ids(200, seed=6)) == [True, False]
+
+
+def drifted_verdicts(lm, case: dict, broken: dict, prompt: list[int]) -> list[bool]:
+    """`case` judged against kvbench's own masks for it: as it is, and with its kvbench spec drifted by `broken`."""
+    budget = len(prompt) // 2
+    reference = kvbench_masks(lm, case["kvbench"], prompt, budget, case["agreement"])
     rows = []
     for spec in (case["kvbench"], {**case["kvbench"], **broken}):
-        values = torch.cat([agreement(ours, theirs, "jaccard") for ours, theirs in
-                            zip(kvbench_masks(sharp_llama, spec, prompt, 60), reference, strict=True)])
-        rows.append(Agreement("snapkv", "tiny", values.mean().item(), values.min().item(), 0, 0))
-    assert [passed for _, passed in verdicts(rows, CONFIG)] == [True, False]
+        values = torch.cat([agreement(ours, theirs, case["agreement"]) for ours, theirs in
+                            zip(kvbench_masks(lm, spec, prompt, budget, case["agreement"]), reference, strict=True)])
+        rows.append(Agreement(case["name"], "tiny", values.mean().item(), values.min().item(), 0, 0))
+    return [passed for _, passed in verdicts(rows, CONFIG)]

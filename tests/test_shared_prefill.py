@@ -20,7 +20,7 @@ PROMPT = random_ids(160, seed=21)
 BUDGET = 64
 # every registered policy that compresses a prompt (its defaults), and one with compressed storage
 POLICY_SPECS = [(name, NEEDED_PARAMS.get(name, {})) for name in POLICIES.names() if POLICIES.get(name).phases] + [
-    ("h2o", {"storage": {"quant": {"bits": 4, "residual": 16}}})]
+    ("h2o", {"storage": {"quant": {"bits": 4, "residual": 16}}}), ("snapkv", {"storage": {"think": {"recent": 8}}})]
 
 
 def snapshot(cache) -> list[torch.Tensor]:
@@ -32,7 +32,8 @@ def session(lm, policy, budget=BUDGET, growth=4) -> Session:
     return Session(lm, policy, RunSettings(budget=budget), prompt_tokens=len(PROMPT), growth=growth)
 
 
-@pytest.mark.parametrize(("name", "params"), POLICY_SPECS, ids=[name for name, _ in POLICY_SPECS])
+@pytest.mark.parametrize(("name", "params"), POLICY_SPECS,
+                         ids=["+".join([name, *params.get("storage", {})]) for name, params in POLICY_SPECS])
 def test_a_cell_compresses_from_the_shared_cache_as_alone_and_leaves_it_untouched(sharp_llama, name, params):
     alone = session(sharp_llama, build_policy(name, params))
     alone.prefill(PROMPT)
