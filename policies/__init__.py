@@ -18,6 +18,7 @@ from kvbench.policies import (  # noqa: F401
     mixed_precision,
     pyramidkv,
     quant,
+    quest,
     random,
     scissorhands,
     snapkv,

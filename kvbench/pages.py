@@ -1,0 +1,64 @@
+"""A layer's slots grouped into pages by token position, as a paged KV cache lays them out: page p of a row holds its
+tokens p * size .. (p + 1) * size - 1 (counted from the row's first real token, so a left-padded row pages as it
+would alone), the last page partly filled. Sparse policies that read whole pages (Quest) summarise and select
+pages through this; the slots may lie in any order (positions say where each token belongs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from kvbench.cache import LayerKV
+
+
+@dataclass
+class Pages:
+    index: torch.Tensor  # [batch, kv_heads, length] each slot's page; a padding slot's is `count` (no page)
+    per_row: np.ndarray  # [batch] pages each row holds, its last one (the page being written) partly filled
+    size: int
+
+    @classmethod
+    def of(cls, layer: LayerKV, size: int) -> Pages:
+        positions = layer.live_positions()
+        tokens = layer.seen - np.asarray(layer.owner.row_padding)  # each row's own tokens (host counts)
+        per_row = -(-tokens // size)
+        count = int(per_row.max())
+        # a padding slot has a negative position: it goes to the extra page `count`, which no one reads
+        index = torch.where(positions >= 0, positions.div(size, rounding_mode="floor"), count)
+        return cls(index, per_row, size)
+
+    @property
+    def count(self) -> int:
+        """Pages of the longest row: the page axis of `reduce` and of what `slots` takes."""
+        return int(self.per_row.max())
+
+    def reduce(self, values: torch.Tensor, how: Literal["amin", "amax"]) -> torch.Tensor:
+        """`values` `[batch, kv_heads, length, dim]` reduced over each page's slots: `[batch, kv_heads, count, dim]`
+        (a row's pages beyond its own hold +-inf)."""
+        batch, heads, _, dim = values.shape
+        start = float("inf") if how == "amin" else float("-inf")
+        out = values.new_full((batch, heads, self.count + 1, dim), start)
+        out.scatter_reduce_(2, self.index[..., None].expand_as(values), values, how, include_self=True)
+        return out[:, :, : self.count]
+
+    def missing(self, device: torch.device) -> torch.Tensor:
+        """`[batch, 1, 1, count]`: True on the pages a row does not have (a shorter row of a batch)."""
+        per_row = torch.from_numpy(self.per_row).to(device)
+        return (torch.arange(self.count, device=device) >= per_row[:, None])[:, None, None]
+
+    def last(self, device: torch.device) -> torch.Tensor:
+        """`[batch, 1, 1, count]`: True on each row's last page, the one the newest token was written to."""
+        per_row = torch.from_numpy(self.per_row).to(device)
+        return (torch.arange(self.count, device=device) == per_row[:, None] - 1)[:, None, None]
+
+    def slots(self, chosen: torch.Tensor) -> torch.Tensor:
+        """Chosen pages `[batch, kv_heads, group, count]` as the slots they hold: `[batch, kv_heads, group, length]`
+        (padding slots never chosen)."""
+        batch, heads, group, count = chosen.shape
+        padded = torch.cat([chosen, chosen.new_zeros(batch, heads, group, 1)], dim=-1)  # the padding slots' page
+        return padded.gather(-1, self.index[:, :, None].expand(batch, heads, group, -1))
