@@ -38,3 +38,20 @@ def test_padding_is_masked_in_the_prompt_forward(sharp_llama):
     alone.prefill(short)
     assert torch.allclose(batched.logits[0], alone.logits[0], atol=1e-4)
     assert batched.cache.layers[0].live_entries() == (20 + 33) * sharp_llama.kv_heads
+
+
+def test_quest_rows_read_as_they_would_alone(sharp_llama):
+    """Quest pages each row from its own first token: a left-padded row reads the pages it reads alone, and its
+    record counts its own bytes read."""
+    from kvbench.session import Prompt, generate_rows
+
+    quest = build_policy("quest", {"page_size": 8, "dense_layers": 0})
+    prompts = [random_ids(n, seed=n) for n in LENGTHS]
+    settings = RunSettings(budget=16)
+    rows = generate_rows(sharp_llama, quest, [Prompt(p, [], 12) for p in prompts], settings, eos_token_ids=set())
+    for prompt, row in zip(prompts, rows, strict=True):
+        alone = generate(sharp_llama, quest, prompt, [], settings, max_new_tokens=12, eos_token_ids=set())
+        assert row.tokens == alone.tokens, len(prompt)
+        for column in ("kv_bytes_read", "kv_bytes_read_full", "kv_bytes_live"):
+            assert row.measurements[column] == alone.measurements[column], (column, len(prompt))
+        assert row.measurements["kv_bytes_read"] < row.measurements["kv_bytes_read_full"]
