@@ -529,6 +529,7 @@ def cache_measurements(cache: KVCache, memory: PeakMemory, earlier: list[PeakMem
     return {
         **asdict(stats),
         "cache_ratio": stats.cache_ratio,
+        "read_ratio": stats.read_ratio,
         **peaks,
         **own,
         "mem_baseline": memory.baseline_bytes,
