@@ -1,7 +1,8 @@
 """A layer's slots grouped into pages by token position, as a paged KV cache lays them out: page p of a row holds its
 tokens p * size .. (p + 1) * size - 1 (counted from the row's first real token, so a left-padded row pages as it
 would alone), the last page partly filled. Sparse policies that read whole pages (Quest) summarise and select
-pages through this; the slots may lie in any order (positions say where each token belongs).
+pages through this. It needs the slots in position order, each row's tokens after its padding (nothing evicted or
+moved: a sparse policy's cache), so a page is a run of slots and summarising it is a reshape.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import torch
 
+from kvbench.errors import KvbenchError
+
 if TYPE_CHECKING:
     from kvbench.cache import LayerKV
 
@@ -19,18 +22,20 @@ if TYPE_CHECKING:
 @dataclass
 class Pages:
     index: torch.Tensor  # [batch, kv_heads, length] each slot's page; a padding slot's is `count` (no page)
+    tokens: np.ndarray  # [batch] each row's own tokens, the last `tokens` slots of the row
     per_row: np.ndarray  # [batch] pages each row holds, its last one (the page being written) partly filled
     size: int
 
     @classmethod
     def of(cls, layer: LayerKV, size: int) -> Pages:
+        if not layer.slots_in_order:
+            raise KvbenchError(f"layer {layer.layer_idx}: pages need the slots in position order (nothing evicted)")
         positions = layer.live_positions()
         tokens = layer.seen - np.asarray(layer.owner.row_padding)  # each row's own tokens (host counts)
         per_row = -(-tokens // size)
-        count = int(per_row.max())
         # a padding slot has a negative position: it goes to the extra page `count`, which no one reads
-        index = torch.where(positions >= 0, positions.div(size, rounding_mode="floor"), count)
-        return cls(index, per_row, size)
+        index = torch.where(positions >= 0, positions.div(size, rounding_mode="floor"), int(per_row.max()))
+        return cls(index, tokens, per_row, size)
 
     @property
     def count(self) -> int:
@@ -40,11 +45,16 @@ class Pages:
     def reduce(self, values: torch.Tensor, how: Literal["amin", "amax"]) -> torch.Tensor:
         """`values` `[batch, kv_heads, length, dim]` reduced over each page's slots: `[batch, kv_heads, count, dim]`
         (a row's pages beyond its own hold +-inf)."""
-        batch, heads, _, dim = values.shape
-        start = float("inf") if how == "amin" else float("-inf")
-        out = values.new_full((batch, heads, self.count + 1, dim), start)
-        out.scatter_reduce_(2, self.index[..., None].expand_as(values), values, how, include_self=True)
-        return out[:, :, : self.count]
+        batch, heads, length, dim = values.shape
+        span = self.count * self.size
+        # each row's tokens from its first (past its padding) onwards, then filler up to whole pages
+        offsets = torch.from_numpy(length - self.tokens).to(values.device)
+        wanted = torch.arange(span, device=values.device) + offsets[:, None]  # [batch, span]
+        beyond = wanted >= length
+        paged = values.gather(2, wanted.clamp(max=length - 1)[:, None, :, None].expand(batch, heads, span, dim))
+        paged = paged.masked_fill(beyond[:, None, :, None], float("inf") if how == "amin" else float("-inf"))
+        paged = paged.view(batch, heads, self.count, self.size, dim)
+        return paged.amin(dim=3) if how == "amin" else paged.amax(dim=3)
 
     def missing(self, device: torch.device) -> torch.Tensor:
         """`[batch, 1, 1, count]`: True on the pages a row does not have (a shorter row of a batch)."""
