@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-import numpy as np
 import torch
 
 from kvbench.errors import KvbenchError
@@ -21,9 +20,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class Pages:
+    """A layer's pages at one step. Shapes come from the host's token counts; the tensors are derived on the device
+    from the slots' positions, so finding pages costs no host-device transfer."""
+
     index: torch.Tensor  # [batch, kv_heads, length] each slot's page; a padding slot's is `count` (no page)
-    tokens: np.ndarray  # [batch] each row's own tokens, the last `tokens` slots of the row
-    per_row: np.ndarray  # [batch] pages each row holds, its last one (the page being written) partly filled
+    tokens: torch.Tensor  # [batch, 1] each row's own tokens: the last `tokens` slots of the row
+    count: int  # pages of the longest row
     size: int
 
     @classmethod
@@ -31,16 +33,16 @@ class Pages:
         if not layer.slots_in_order:
             raise KvbenchError(f"layer {layer.layer_idx}: pages need the slots in position order (nothing evicted)")
         positions = layer.live_positions()
-        tokens = layer.seen - np.asarray(layer.owner.row_padding)  # each row's own tokens (host counts)
-        per_row = -(-tokens // size)
+        most = layer.seen - min(layer.owner.row_padding)  # the longest row's tokens (host counts)
+        count = -(-most // size)
         # a padding slot has a negative position: it goes to the extra page `count`, which no one reads
-        index = torch.where(positions >= 0, positions.div(size, rounding_mode="floor"), int(per_row.max()))
-        return cls(index, tokens, per_row, size)
+        index = torch.where(positions >= 0, positions.div(size, rounding_mode="floor"), count)
+        return cls(index, positions[:, 0, -1:] + 1, count, size)
 
     @property
-    def count(self) -> int:
-        """Pages of the longest row: the page axis of `reduce` and of what `slots` takes."""
-        return int(self.per_row.max())
+    def per_row(self) -> torch.Tensor:
+        """`[batch, 1]` pages each row holds, its last one (the page being written) partly filled."""
+        return (self.tokens + self.size - 1).div(self.size, rounding_mode="floor")
 
     def reduce(self, values: torch.Tensor, how: Literal["amin", "amax"]) -> torch.Tensor:
         """`values` `[batch, kv_heads, length, dim]` reduced over each page's slots: `[batch, kv_heads, count, dim]`
@@ -48,23 +50,20 @@ class Pages:
         batch, heads, length, dim = values.shape
         span = self.count * self.size
         # each row's tokens from its first (past its padding) onwards, then filler up to whole pages
-        offsets = torch.from_numpy(length - self.tokens).to(values.device)
-        wanted = torch.arange(span, device=values.device) + offsets[:, None]  # [batch, span]
+        wanted = torch.arange(span, device=values.device) + (length - self.tokens)  # [batch, span]
         beyond = wanted >= length
         paged = values.gather(2, wanted.clamp(max=length - 1)[:, None, :, None].expand(batch, heads, span, dim))
         paged = paged.masked_fill(beyond[:, None, :, None], float("inf") if how == "amin" else float("-inf"))
         paged = paged.view(batch, heads, self.count, self.size, dim)
         return paged.amin(dim=3) if how == "amin" else paged.amax(dim=3)
 
-    def missing(self, device: torch.device) -> torch.Tensor:
+    def missing(self) -> torch.Tensor:
         """`[batch, 1, 1, count]`: True on the pages a row does not have (a shorter row of a batch)."""
-        per_row = torch.from_numpy(self.per_row).to(device)
-        return (torch.arange(self.count, device=device) >= per_row[:, None])[:, None, None]
+        return (torch.arange(self.count, device=self.index.device) >= self.per_row)[:, None, None]
 
-    def last(self, device: torch.device) -> torch.Tensor:
+    def last(self) -> torch.Tensor:
         """`[batch, 1, 1, count]`: True on each row's last page, the one the newest token was written to."""
-        per_row = torch.from_numpy(self.per_row).to(device)
-        return (torch.arange(self.count, device=device) == per_row[:, None] - 1)[:, None, None]
+        return (torch.arange(self.count, device=self.index.device) == self.per_row - 1)[:, None, None]
 
     def slots(self, chosen: torch.Tensor) -> torch.Tensor:
         """Chosen pages `[batch, kv_heads, group, count]` as the slots they hold: `[batch, kv_heads, group, length]`

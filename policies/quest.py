@@ -49,8 +49,8 @@ class Quest(Policy):
         batch, kv_heads = keys.shape[:2]
         q = query[:, :, 0].float().view(batch, kv_heads, -1, 1, keys.shape[-1])  # [batch, kv_heads, group, 1, dim]
         bound = torch.maximum(q * low[:, :, None], q * high[:, :, None]).sum(dim=-1)  # [batch, kv_heads, group, pages]
-        bound = bound.masked_fill(pages.last(bound.device), float("inf"))
-        bound = bound.masked_fill(pages.missing(bound.device), float("-inf"))
+        bound = bound.masked_fill(pages.last(), float("inf"))
+        bound = bound.masked_fill(pages.missing(), float("-inf"))
         top = bound.topk(page_budget, dim=-1).indices
         chosen = torch.zeros_like(bound, dtype=torch.bool).scatter_(-1, top, True)
         return pages.slots(chosen).flatten(1, 2)  # [batch, heads, length]
