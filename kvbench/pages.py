@@ -8,7 +8,7 @@ moved: a sparse policy's cache), so a page is a run of slots and summarising it 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,18 +44,20 @@ class Pages:
         """`[batch, 1]` pages each row holds, its last one (the page being written) partly filled."""
         return (self.tokens + self.size - 1).div(self.size, rounding_mode="floor")
 
-    def reduce(self, values: torch.Tensor, how: Literal["amin", "amax"]) -> torch.Tensor:
-        """`values` `[batch, kv_heads, length, dim]` reduced over each page's slots: `[batch, kv_heads, count, dim]`
-        (a row's pages beyond its own hold +-inf)."""
+    def min_max(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The min and the max of `values` `[batch, kv_heads, length, dim]` over each page's slots, each
+        `[batch, kv_heads, count, dim]` (a row's pages beyond its own hold its last token's values)."""
         batch, heads, length, dim = values.shape
         span = self.count * self.size
-        # each row's tokens from its first (past its padding) onwards, then filler up to whole pages
-        wanted = torch.arange(span, device=values.device) + (length - self.tokens)  # [batch, span]
-        beyond = wanted >= length
-        paged = values.gather(2, wanted.clamp(max=length - 1)[:, None, :, None].expand(batch, heads, span, dim))
-        paged = paged.masked_fill(beyond[:, None, :, None], float("inf") if how == "amin" else float("-inf"))
+        # each row's tokens from its first (past its padding) onwards, up to whole pages: a partly filled last page
+        # is filled up with its own last token, which changes neither its min nor its max
+        wanted = (torch.arange(span, device=values.device) + (length - self.tokens)).clamp(max=length - 1)
+        if batch == 1:  # one row (the usual case): a plain index along the slots
+            paged = values.index_select(2, wanted[0])
+        else:
+            paged = values.gather(2, wanted[:, None, :, None].expand(batch, heads, span, dim))
         paged = paged.view(batch, heads, self.count, self.size, dim)
-        return paged.amin(dim=3) if how == "amin" else paged.amax(dim=3)
+        return paged.amin(dim=3), paged.amax(dim=3)
 
     def missing(self) -> torch.Tensor:
         """`[batch, 1, 1, count]`: True on the pages a row does not have (a shorter row of a batch)."""

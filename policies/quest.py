@@ -45,7 +45,7 @@ class Quest(Policy):
         if layer.layer_idx < self.dense_layers or pages.count <= page_budget:
             return None
         keys = layer.live_keys().float()
-        low, high = pages.reduce(keys, "amin"), pages.reduce(keys, "amax")  # [batch, kv_heads, pages, dim]
+        low, high = pages.min_max(keys)  # [batch, kv_heads, pages, dim]
         batch, kv_heads = keys.shape[:2]
         q = query[:, :, 0].float().view(batch, kv_heads, -1, 1, keys.shape[-1])  # [batch, kv_heads, group, 1, dim]
         bound = torch.maximum(q * low[:, :, None], q * high[:, :, None]).sum(dim=-1)  # [batch, kv_heads, group, pages]
