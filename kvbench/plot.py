@@ -25,7 +25,8 @@ TOL_MUTED = ["#882255", "#332288", "#44AA99", "#117733", "#AA4499", "#DDCC77", "
 FIXED_COLOURS = {"full": "#000000", **dict(zip(
     ["window", "streaming_llm", "h2o", "snapkv", "quant", "mixed_precision", "lowrank", "random"], OKABE_ITO,
     strict=True)), **dict(zip(["tova", "pyramidkv", "hybrid", "knorm", "scissorhands", "ada_kv", "merge", "compose"],
-                              TOL_MUTED, strict=True))}
+                              TOL_MUTED, strict=True)),
+                 "quest": "#CC3311"}  # Paul Tol's vibrant red: the sparse family, beyond the two palettes
 # variants of one policy (other parameters, a storage) share its colour and differ in marker and line
 VARIANT_STYLES = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", "--")]
 # `full` is a horizontal reference line, dashed; several of them (one per run compared) differ in their dashes
