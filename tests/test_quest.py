@@ -181,3 +181,12 @@ def test_refusals_are_one_line():
     lm = load_model("random:tiny-mistral-sliding", dtype="float32", device="cpu")
     with pytest.raises(KvbenchError, match="sliding-window layers"):
         Session(lm, quest(), RunSettings(budget=32), prompt_tokens=64)
+
+
+def test_a_config_budget_below_one_page_is_refused_in_one_line(tmp_path):
+    from tests.helpers import assert_rejected_in_one_line
+
+    config = tmp_path / "quest.yaml"
+    config.write_text("name: q\nmodel: {id: 'random:tiny-llama', dtype: float32, device: cpu}\npolicies: [quest]\n"
+                      "budgets: [8]\ncontext_lengths: [64]\ntasks: [{name: niah}]\nsamples: 1\n")
+    assert_rejected_in_one_line(config, "quest: budget 8 tokens is less than one page (page_size=16)", tmp_path / "run")
