@@ -1,5 +1,6 @@
 """The `kvbench` attention implementation: transformers' own SDPA path, plus the attention
-statistics that attention-scored policies (H2O, SnapKV, ...) read.
+statistics that attention-scored policies (H2O, SnapKV, ...) read, and a sparse policy's (Quest's) selection of
+the slots each decode step reads (`KVCache.read_mask`, applied as a mask: every entry stays in the cache).
 
 SDPA never returns attention weights, so the policies that need them get them recomputed here,
 chunked over queries so a long prompt never materialises its full n x n matrix. Policies that do
@@ -79,6 +80,9 @@ def kvbench_attention(
         attention_mask = causal_mask(query.shape[-2], key.shape[-2], key.device)
     elif attention_mask is None and kind.softcap is not None and query.shape[-2] > 1:
         attention_mask = causal_mask(query.shape[-2], key.shape[-2], key.device)  # SDPA's is_causal, made explicit
+    read = None if observer is None else observer.read_mask(module.layer_idx, query)
+    if read is not None:  # a sparse policy's decode step: the query attends to the slots it selected only
+        attention_mask = read[:, :, None, :] if attention_mask is None else attention_mask & read[:, :, None, :]
     if kind.softcap is not None:
         output = eager_attention(query, key, value, attention_mask, scaling, kind.softcap), None
     else:

@@ -53,10 +53,18 @@ class CacheStats:
     kept_max: int
     kept_max_ever: int
     evictions: int
+    # K/V bytes the attention of one decode step read, mean over the decode steps so far, and what a full cache's
+    # step read (None before any decode step): what bounds a memory-bound decode step's time
+    kv_bytes_read: float | None = None
+    kv_bytes_read_full: float | None = None
 
     @property
     def cache_ratio(self) -> float:
         return self.kv_bytes_live / self.kv_bytes_full if self.kv_bytes_full else 1.0
+
+    @property
+    def read_ratio(self) -> float | None:
+        return None if not self.kv_bytes_read_full else (self.kv_bytes_read or 0.0) / self.kv_bytes_read_full
 
 
 class Phase(str, Enum):
@@ -374,6 +382,51 @@ class LayerKV(CacheLayerMixin):
             self._reallocate(target)
 
 
+class ReadCounts:
+    """The K/V bytes the decode steps' attention read, per row, summed over the layers and steps (`kv_bytes_read`
+    is their mean per step), and what a full cache's steps read. Counted from shapes and the host's counts; a
+    sparse selection's count is summed on the device and read back only when a record asks (no sync per step)."""
+
+    def __init__(self, rows: int) -> None:
+        self.steps = 0  # one-token forwards in the decode phase
+        self.dense = np.zeros(rows)  # bytes of the layers that read every entry they hold
+        self.full = np.zeros(rows)
+        self.sparse: torch.Tensor | None = None  # [rows] int64 on the device: the layers that read a selection
+
+    def count(self, cache: KVCache, layer: LayerKV, selected: torch.Tensor | None) -> None:
+        """`layer`'s read at this step: every entry it holds (the new one included), or the `selected` slots
+        `[batch, heads or kv_heads, length]` (a KV head loads what any of its query heads reads)."""
+        kv_heads, head_dim = cache.batch_heads_dim[1:]
+        seen = layer.seen - np.asarray(cache.row_padding)  # each row's tokens, the new one included
+        held_by_full = seen if layer.kind.window is None else np.minimum(seen, layer.kind.window)
+        self.full += held_by_full * kv_heads * 2 * head_dim * layer.dtype.itemsize
+        if selected is not None:
+            if selected.shape[1] != kv_heads:
+                selected = selected.view(selected.shape[0], kv_heads, -1, selected.shape[-1]).any(dim=2)
+            read = selected.sum(dim=(1, 2)) * layer.entry_bytes()
+            self.sparse = read if self.sparse is None else self.sparse + read
+        elif cache.rows is not None:  # each row's own entries, from the host's accounts
+            rows = cache.rows
+            self.dense += rows.held[layer.layer_idx].sum(axis=1) * rows.slot_bytes[layer.layer_idx] // kv_heads
+        else:  # one row, or rows that hold alike (compressed storage): a row's share
+            self.dense += layer.live_bytes() / len(self.dense)
+
+    def means(self, row: int | None = None) -> dict[str, float | None]:
+        """`kv_bytes_read` and `kv_bytes_read_full` of `row` (None: the whole batch)."""
+        if not self.steps:
+            return {"kv_bytes_read": None, "kv_bytes_read_full": None}
+        read = self.dense + (0 if self.sparse is None else self.sparse.cpu().numpy())
+        picked = slice(None) if row is None else slice(row, row + 1)
+        return {"kv_bytes_read": float(read[picked].sum()) / self.steps,
+                "kv_bytes_read_full": float(self.full[picked].sum()) / self.steps}
+
+    def select(self, rows: list[int]) -> ReadCounts:
+        twin = ReadCounts(len(rows))
+        twin.steps, twin.dense, twin.full = self.steps, self.dense[rows], self.full[rows]
+        twin.sparse = None if self.sparse is None else self.sparse[rows]
+        return twin
+
+
 def _folds(policy: Policy) -> bool:
     """Whether `policy` (or a stage of it) folds evicted entries into kept ones, writing into the cache."""
     from kvbench.policies.base import Policy
@@ -417,6 +470,7 @@ class KVCache(Cache):
         model: ModelInternals | None = None,
         kinds: list[LayerKind] | None = None,
         rows: RowAccounts | None = None,
+        read_budget: int | None = None,
     ) -> None:
         self.policy = policy
         self.kinds = kinds or [FULL] * num_layers  # how each layer attends (sliding window, soft cap)
@@ -450,6 +504,11 @@ class KVCache(Cache):
         self.phase = phase  # from here on the session's to set (kvbench/session.py)
         self.evictions = 0
         self.peak_bytes = 0
+        # a sparse policy's tokens read per layer and head at a decode step (its `read_mask`); None: read them all
+        self.read_budget = read_budget
+        if read_budget is not None and any(kind.window is not None for kind in self.kinds):
+            raise KvbenchError(f"policy '{policy.name}': sparse reading does not run on sliding-window layers")
+        self._reads = ReadCounts(batch_heads_dim[0])
         self.folds = _folds(policy)
         layout = policy.layout()  # compressed storage, or None: plain slots in the model dtype
         if layout is not None:
@@ -506,6 +565,22 @@ class KVCache(Cache):
 
     def physical_bytes(self) -> int:
         return sum(layer.physical_bytes() for layer in self.layers if layer.is_initialized)
+
+    def read_mask(self, layer_idx: int, query: torch.Tensor) -> torch.Tensor | None:
+        """Called by the kvbench attention function before each layer's attention (see attention.py): at a decode
+        step (one new token per row), the `[batch, heads, length]` slots the `query` `[batch, heads, 1, dim]`
+        reads, as a sparse policy chooses them (None: every slot); every policy's step is counted in
+        `kv_bytes_read`. A forward of several tokens (a prompt, a question) reads every slot, as Quest's does."""
+        if self.phase is not Phase.DECODE or query.shape[-2] != 1:
+            return None
+        layer = self.layers[layer_idx]
+        if layer_idx == 0:
+            self._reads.steps += 1
+        selected = None if self.read_budget is None else self.policy.read_mask(layer, query, self.read_budget)
+        self._reads.count(self, layer, selected)
+        if selected is None:
+            return None
+        return selected.repeat_interleave(query.shape[1] // selected.shape[1], dim=1)
 
     def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
         """Called by the kvbench attention function after each layer's attention (see attention.py)."""
@@ -701,6 +776,7 @@ class KVCache(Cache):
         twin.row_padding, twin.max_padding = padding, max(padding)
         twin.left_padding = torch.tensor(padding) if max(padding) else None
         twin.rows = accounts.select(rows, padding) if len(rows) > 1 else None
+        twin._reads = self._reads.select(rows)
         twin.observe_seconds = dict(self.observe_seconds)
         index = torch.tensor(rows, device=self.layers[0].device)
         widths = accounts.held[:, rows].max(axis=(1, 2))
@@ -717,12 +793,12 @@ class KVCache(Cache):
         """What an unbatched cache of row `row` would report (`stats` of a batch counts the whole rectangle). A
         batch of compressed storage (rows of one length, nothing evicted) holds every row alike: a row's share."""
         if self.rows is not None:
-            return self.rows.stats(self, row)
+            return dataclasses.replace(self.rows.stats(self, row), **self._reads.means(row))
         stats, rows = self.stats(), self.batch_heads_dim[0]
         return dataclasses.replace(stats, kv_bytes_live=stats.kv_bytes_live // rows,
                                    kv_bytes_physical=stats.kv_bytes_physical // rows,
                                    kv_bytes_peak=stats.kv_bytes_peak // rows, kv_bytes_full=stats.kv_bytes_full // rows,
-                                   evictions=stats.evictions // rows)
+                                   evictions=stats.evictions // rows, **self._reads.means(row))
 
     def padding(self, layer_idx: int) -> torch.Tensor | None:
         return self.layers[layer_idx].padding()
@@ -749,4 +825,5 @@ class KVCache(Cache):
             kept_max=max(lengths),
             kept_max_ever=max((layer.max_held for layer in layers), default=0),
             evictions=self.evictions,
+            **self._reads.means(),
         )

@@ -248,6 +248,7 @@ class SweepConfig(Strict):
     @model_validator(mode="after")
     def _registered(self) -> SweepConfig:
         from kvbench.policies import POLICIES
+        from kvbench.policies.base import takes_budget
         from kvbench.tasks import TASKS
 
         for field, registry in (("policies", POLICIES), ("tasks", TASKS)):
@@ -267,7 +268,7 @@ class SweepConfig(Strict):
                     except KvbenchError as exc:
                         raise _Located((field, index, "name"), str(exc)) from None
                     for budget in spec.budgets or self.budgets:
-                        if built.phases and isinstance(budget, int):
+                        if takes_budget(built) and isinstance(budget, int):
                             try:
                                 built.check_budget(budget)
                             except KvbenchError as exc:

@@ -9,7 +9,7 @@ import re
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -25,7 +25,8 @@ TOL_MUTED = ["#882255", "#332288", "#44AA99", "#117733", "#AA4499", "#DDCC77", "
 FIXED_COLOURS = {"full": "#000000", **dict(zip(
     ["window", "streaming_llm", "h2o", "snapkv", "quant", "mixed_precision", "lowrank", "random"], OKABE_ITO,
     strict=True)), **dict(zip(["tova", "pyramidkv", "hybrid", "knorm", "scissorhands", "ada_kv", "merge", "compose"],
-                              TOL_MUTED, strict=True))}
+                              TOL_MUTED, strict=True)),
+                 "quest": "#CC3311"}  # Paul Tol's vibrant red: the sparse family, beyond the two palettes
 # variants of one policy (other parameters, a storage) share its colour and differ in marker and line
 VARIANT_STYLES = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", "--")]
 # `full` is a horizontal reference line, dashed; several of them (one per run compared) differ in their dashes
@@ -57,6 +58,31 @@ def policy_colour(policy: str) -> str:
     return FIXED_COLOURS.get(policy) or palette[zlib.crc32(policy.encode()) % len(palette)]
 
 
+class XAxis(NamedTuple):
+    """What the score curves and the Pareto front put on their x axis: a ratio to full's and its bytes column."""
+
+    ratio: str
+    ratio_label: str
+    bytes: str
+    bytes_label: str
+    name: str  # in the figures' names: score_vs_<name>_<task>
+
+
+# the bytes a cache stores (the default), or the K/V bytes a decode step reads (a sparse policy stores full's)
+X_AXES = {
+    "stored": XAxis("cache_ratio", "cache ratio (kept / full KV bytes)", "kv_bytes_live", "KV cache held (MiB)",
+                    "ratio"),
+    "read": XAxis("read_ratio", "read ratio (K/V bytes read per decode step / full's)", "kv_bytes_read",
+                  "K/V read per decode step (MiB)", "read"),
+}
+
+
+def x_axis(x: str) -> XAxis:
+    if x not in X_AXES:
+        raise KvbenchError(f"unknown x axis '{x}' (use {', '.join(X_AXES)})")
+    return X_AXES[x]
+
+
 def _series_label(row: pd.Series) -> str:
     return f"{row['policy']} ({row['params']})" if row["params"] else row["policy"]
 
@@ -68,9 +94,11 @@ def _budget_key(budget: str) -> tuple[int, float]:
     return (1, value) if "." in budget else (2, value)
 
 
-def figures(run: str | Path, style: str = "default", log_x: bool = False) -> dict[str, Any]:
+def figures(run: str | Path, style: str = "default", log_x: bool = False, x: str = "stored") -> dict[str, Any]:
     """Name -> matplotlib Figure for every plot the run's data supports; a run over several models or dtypes
-    gets each figure once per (model, dtype), named `<figure> <model> (<dtype>)` and titled so."""
+    gets each figure once per (model, dtype), named `<figure> <model> (<dtype>)` and titled so. `x`: the curves'
+    x axis, the bytes stored (`stored`) or read per decode step (`read`)."""
+    axis = x_axis(x)
     plt = _pyplot()
     if style not in STYLES:
         raise KvbenchError(f"unknown style '{style}' (use {', '.join(STYLES)})")
@@ -85,25 +113,26 @@ def figures(run: str | Path, style: str = "default", log_x: bool = False) -> dic
     with plt.rc_context({**STYLES[style], "figure.max_open_warning": 0}):
         facets = model_facets(frame)
         if len(facets) == 1:  # one model: the figures as they always were
-            return _figures(plt, frame, records, style, log_x)
+            return _figures(plt, frame, records, style, log_x, axis)
         out: dict[str, Any] = {}
         for facet, rows in facets:
             cells = set(rows["cell_id"])
             for name, figure in _figures(plt, rows, [r for r in records if r["cell_id"] in cells], style,
-                                         log_x).items():
+                                         log_x, axis).items():
                 figure.suptitle(facet, y=1.02)
                 out[f"{name} {facet}"] = figure
         return out
 
 
-def _figures(plt, frame: pd.DataFrame, records: list[dict[str, Any]], style: str, log_x: bool) -> dict[str, Any]:
-    """The figures of one model's summary rows and records."""
+def _figures(plt, frame: pd.DataFrame, records: list[dict[str, Any]], style: str, log_x: bool,
+             x: XAxis = X_AXES["stored"]) -> dict[str, Any]:
+    """The figures of one model's summary rows and records, the curves against `x`."""
     out: dict[str, Any] = {}
+    suffix = "" if x.name == "ratio" else "_read"  # score_vs_ratio / score_vs_read, score_vs_bytes / _read_bytes
     for task, rows in frame.groupby("task", sort=False):
-        out[f"score_vs_ratio_{task}"] = _score_curves(
-            plt, rows, "cache_ratio", "cache ratio (kept / full KV bytes)", style, log_x)
-        out[f"score_vs_bytes_{task}"] = _score_curves(plt, rows, "kv_bytes_live", "KV cache held (MiB)", style,
-                                                      log_x, scale=2**-20)
+        out[f"score_vs_{x.name}_{task}"] = _score_curves(plt, rows, x.ratio, x.ratio_label, style, log_x)
+        out[f"score_vs{suffix}_bytes_{task}"] = _score_curves(plt, rows, x.bytes, x.bytes_label, style, log_x,
+                                                              scale=2**-20)
         depth_records = [r for r in records if r["task_label"] == task and "depth" in r.get("meta", {})]
         if depth_records:
             out[f"needle_heatmaps_{task}"] = _needle_heatmaps(plt, depth_records, style)
@@ -111,28 +140,27 @@ def _figures(plt, frame: pd.DataFrame, records: list[dict[str, Any]], style: str
         if nll_records:
             out[f"nll_vs_position_{task}"] = _nll_curves(plt, nll_records, style)
         if "kl_mean" in rows and rows["kl_mean"].notna().any():  # fidelity to the full cache
-            out[f"kl_vs_ratio_{task}"] = _score_curves(plt, rows, "cache_ratio", "cache ratio (kept / full KV "
-                                                       "bytes)", style, log_x, y="kl_mean",
-                                                       ylabel="KL(full || policy), nats per step")
-            out[f"recall_vs_ratio_{task}"] = _score_curves(plt, rows, "cache_ratio", "cache ratio (kept / full "
-                                                           "KV bytes)", style, log_x, y="attn_recall",
-                                                           ylabel="attention recall (full's mass kept)")
+            out[f"kl_vs_{x.name}_{task}"] = _score_curves(plt, rows, x.ratio, x.ratio_label, style, log_x,
+                                                          y="kl_mean", ylabel="KL(full || policy), nats per step")
+            out[f"recall_vs_{x.name}_{task}"] = _score_curves(plt, rows, x.ratio, x.ratio_label, style, log_x,
+                                                              y="attn_recall",
+                                                              ylabel="attention recall (full's mass kept)")
             fidelity = [r for r in records if r["task_label"] == task and r.get("kl_by_position")]
             out[f"kl_vs_position_{task}"] = _nll_curves(plt, fidelity, style, "kl_by_position",
                                                         "KL(full || policy), smoothed", "generated token")
             out[f"recall_by_layer_{task}"] = _recall_by_layer(plt, fidelity, style)
     out["memory_vs_context"] = _memory(plt, frame, style)
     out["speed_vs_budget"] = _speed(plt, frame, style)
-    out["pareto"] = _pareto(plt, frame, style)
+    out["pareto" + suffix] = _pareto(plt, frame, style, x)
     return out
 
 
 def plot_run(run: str | Path, out: str | Path | None = None, fmt: str = "png", style: str = "default",
-             log_x: bool = False) -> list[Path]:
+             log_x: bool = False, x: str = "stored") -> list[Path]:
     """Write every figure of `run` into `out` (default RUN/figures) as `fmt`; returns the paths."""
     if fmt not in ("png", "pdf", "svg"):
         raise KvbenchError(f"unknown format '{fmt}' (use png, pdf or svg)")
-    return _save(figures(run, style, log_x), Path(out) if out else Path(run) / "figures", fmt, style)
+    return _save(figures(run, style, log_x, x), Path(out) if out else Path(run) / "figures", fmt, style)
 
 
 def _file_name(name: str) -> str:
@@ -149,10 +177,11 @@ def runs_inside(folder: str | Path) -> list[Path]:
     return runs
 
 
-def compare_figures(runs: list[Path], style: str = "default", log_x: bool = False) -> dict[str, Any]:
+def compare_figures(runs: list[Path], style: str = "default", log_x: bool = False, x: str = "stored") -> dict[str, Any]:
     """Score vs cache ratio of every task that two or more of `runs` share on one model and dtype: a curve per
     run and policy, the run named in the legend. Named `compare_<task>` (`compare_<task> <model> (<dtype>)` when
     the runs hold several models). Reads every run's summary first, so a run without records fails them all."""
+    axis = x_axis(x)
     plt = _pyplot()
     if style not in STYLES:
         raise KvbenchError(f"unknown style '{style}' (use {', '.join(STYLES)})")
@@ -169,7 +198,7 @@ def compare_figures(runs: list[Path], style: str = "default", log_x: bool = Fals
             for task, shared in part.groupby("task", sort=False):
                 if shared["run"].nunique() < 2:
                     continue
-                figure = _score_curves(plt, shared, "cache_ratio", "cache ratio (kept / full KV bytes)", style, log_x,
+                figure = _score_curves(plt, shared, axis.ratio, axis.ratio_label, style, log_x,
                                        series=_run_series_label)
                 figure.suptitle(f"{task}{f', {facet}' if facet else ''}: runs {', '.join(shared['run'].unique())}",
                                 y=1.02)
@@ -182,13 +211,13 @@ def _run_series_label(row: pd.Series) -> str:
 
 
 def plot_folder(folder: str | Path, out: str | Path | None = None, fmt: str = "png", style: str = "default",
-                log_x: bool = False) -> list[Path]:
+                log_x: bool = False, x: str = "stored") -> list[Path]:
     """Every run of a folder of runs drawn as `plot_run` draws it (into RUN/figures, or OUT/<run> with `out`), and
     the comparisons of the runs (`compare_figures`) into FOLDER/figures (or OUT); returns the paths."""
     runs = runs_inside(folder)
-    comparisons = compare_figures(runs, style, log_x)  # first: a run that cannot be drawn stops all, nothing written
+    comparisons = compare_figures(runs, style, log_x, x)  # first: a run that cannot be drawn stops all, nothing written
     written = [path for run in runs for path in plot_run(run, Path(out) / run.name if out else None, fmt, style,
-                                                         log_x)]
+                                                         log_x, x)]
     return written + _save(comparisons, Path(out) if out else Path(folder) / "figures", fmt, style)
 
 
@@ -413,11 +442,11 @@ def _score_axis(rows: pd.DataFrame) -> dict[str, Any]:
     return {"ylabel": "score"}
 
 
-def _pareto(plt, frame: pd.DataFrame, style: str):
+def _pareto(plt, frame: pd.DataFrame, style: str, x: XAxis = X_AXES["stored"]):
     groups = list(frame.groupby(["task", "context_length"], sort=False))
     figure, axes = _panels(plt, len(groups), style)
     for axis, ((task, length), rows) in zip(axes, groups, strict=True):
-        rows = rows.assign(kv_mib=rows["kv_bytes_live"] / 2**20)
+        rows = rows.assign(kv_mib=rows[x.bytes] / 2**20)
         for _, row in rows.dropna(subset=["score"]).iterrows():
             axis.scatter(row["kv_mib"], row["score"], color=policy_colour(row["policy"]), s=14)
         front = pareto_front(rows, "kv_mib", "score", bool(rows["higher_is_better"].all()))
@@ -426,7 +455,7 @@ def _pareto(plt, frame: pd.DataFrame, style: str):
             axis.annotate(f"{row['policy']} {row['budget']}", (row["kv_mib"], row["score"]), fontsize="xx-small",
                           xytext=(2, 2), textcoords="offset points")
         _failed_note(axis, rows)
-        axis.set(title=f"{task}, {length} tokens", xlabel="KV cache held (MiB)", **_score_axis(rows))
+        axis.set(title=f"{task}, {length} tokens", xlabel=x.bytes_label, **_score_axis(rows))
         axis.grid(alpha=0.3)
     axes[0].legend(fontsize="x-small")
     figure.tight_layout()

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvbench.models import LoadedModel
-from kvbench.policies.base import Policy
+from kvbench.policies.base import Policy, takes_budget
 from kvbench.session import Generation, RunSettings, SharedPrefill
 from kvbench.tasks.base import Sample, Task, encode_prompt
 
@@ -63,7 +63,7 @@ def record(lm: LoadedModel, task: Task, policy: Policy, sample: Sample, settings
         "task": task.describe(),
         "policy": policy.describe(),
         "family": policy.kind,
-        "budget": settings.budget if policy.phases else None,
+        "budget": settings.budget if takes_budget(policy) else None,
         "context_length": context_length,
         "sample_id": sample.id,
         "prefill": settings.prefill,

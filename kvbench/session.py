@@ -36,7 +36,7 @@ from kvbench.cache import CacheStats, KVCache, Phase
 from kvbench.errors import KvbenchError
 from kvbench.measure import PeakMemory, Stopwatch
 from kvbench.models import LoadedModel
-from kvbench.policies.base import Policy
+from kvbench.policies.base import Policy, takes_budget
 from kvbench.rows import RowAccounts
 
 
@@ -149,7 +149,10 @@ class Session:
         # a batch keeps each row's accounts; compressed storage batches only rows that hold alike (`row_stats`)
         accounts = None if left_padding is None or policy.layout() is not None else \
             RowAccounts(lm.num_layers, lm.kv_heads, left_padding.tolist(), growths, headrooms)
-        self.cache = KVCache(lm.num_layers, (self.rows, lm.kv_heads, lm.head_dim), policy, self.budget,
+        # a sparse policy's budget bounds what each decode step reads, not what the cache keeps
+        sparse = policy.family == "sparse"
+        self.cache = KVCache(lm.num_layers, (self.rows, lm.kv_heads, lm.head_dim), policy,
+                             None if sparse else self.budget, read_budget=self.budget if sparse else None,
                              evict_every=settings.evict_every, headroom=max(headrooms), growth=max(growths),
                              observers=observers, limit_bytes=settings.kv_limit_bytes, prompt_tokens=prompts[0],
                              left_padding=left_padding if padded else None, model=lm.internals,
@@ -476,8 +479,8 @@ def _same_rows(shared: KVCache, cache: KVCache) -> bool:
 
 def policy_budget(policy: Policy, settings: RunSettings, prompt_tokens: int, chunked: bool) -> int | None:
     """The resolved budget of `policy` for a prompt of `prompt_tokens`, after the policy's own checks."""
-    budget = None if not policy.phases else resolve_budget(settings.budget, prompt_tokens)
-    if policy.phases and budget is None:
+    budget = None if not takes_budget(policy) else resolve_budget(settings.budget, prompt_tokens)
+    if takes_budget(policy) and budget is None:
         raise KvbenchError(f"policy '{policy.name}' needs a budget")
     if budget is not None:
         policy.check_budget(budget)
@@ -530,6 +533,7 @@ def cache_measurements(cache: KVCache, memory: PeakMemory, earlier: list[PeakMem
     return {
         **asdict(stats),
         "cache_ratio": stats.cache_ratio,
+        "read_ratio": stats.read_ratio,
         **peaks,
         **own,
         "mem_baseline": memory.baseline_bytes,

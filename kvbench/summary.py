@@ -16,8 +16,8 @@ from kvbench.estimate import human_bytes
 from kvbench.results import RunFolder
 
 BOOTSTRAP_RESAMPLES = 2000
-MEASURES = ["cache_ratio", "kv_bytes_live", "kv_bytes_peak", "ttft_s", "tpot_s", "decode_tok_s", "prefill_tok_s",
-            "mem_peak_alloc"]
+MEASURES = ["cache_ratio", "kv_bytes_live", "kv_bytes_peak", "read_ratio", "kv_bytes_read", "kv_bytes_read_full",
+            "ttft_s", "tpot_s", "decode_tok_s", "prefill_tok_s", "mem_peak_alloc"]
 # fidelity to the full cache (kvbench/fidelity.py), where a sweep asked for it: means with bootstrap CIs
 FIDELITY = ["kl_mean", "kl_max", "top1_agreement", "attn_recall", "first_divergence"]
 # cells that share these see the same samples, so their scores pair up by sample id
@@ -266,8 +266,9 @@ def _markdown_tables(frame: pd.DataFrame, heading: str) -> list[str]:
         batched = (group["batch_size"] > 1).any()  # times of a batch: say which batch size each cell's are
         lines += [f"## {heading}{task}, {length} tokens, question {question}, prefill {prefill}{direction}", "",
                   "| policy | params | budget |" + (" memory |" if pressure else "") + " n | score | delta vs full | "
-                  "cache ratio | kv peak MiB | ttft s | tpot ms |" + (" batch |" if batched else "") + " status |",
-                  "|---|---|---|" + ("---|" if pressure else "") + "---:|---:|---:|---:|---:|---:|---:|"
+                  "cache ratio | read ratio | kv peak MiB | ttft s | tpot ms |" + (" batch |" if batched else "")
+                  + " status |",
+                  "|---|---|---|" + ("---|" if pressure else "") + "---:|---:|---:|---:|---:|---:|---:|---:|"
                   + ("---:|" if batched else "") + "---|"]
         for _, r in group.iterrows():
             delta = "" if pd.isna(r["delta_vs_full"]) else \
@@ -277,7 +278,8 @@ def _markdown_tables(frame: pd.DataFrame, heading: str) -> list[str]:
             lines.append(
                 f"| {r['policy']} | {r['params']} | {r['budget']} |" + (f" {r['memory']} |" if pressure else "")
                 + f" {r['n']} | {score} | {delta} | "
-                f"{_num(r['cache_ratio'], '.3f')} | {_num(r['kv_bytes_peak'] / 2**20, '.1f')} | "
+                f"{_num(r['cache_ratio'], '.3f')} | {_num(r['read_ratio'], '.3f')} | "
+                f"{_num(r['kv_bytes_peak'] / 2**20, '.1f')} | "
                 f"{_num(r['ttft_s'], '.2f')} | {_num(r['tpot_s'] * 1000, '.0f')} |"
                 + (f" {_num(r['batch_size'], '.0f')} |" if batched else "") + f" {r['status']} |")
         if batched:

@@ -29,7 +29,7 @@ from kvbench.estimate import Shape, parse_bytes
 from kvbench.measure import memory_pressure, tracing
 from kvbench.models import LoadedModel, load_model
 from kvbench.policies import POLICIES, Policy
-from kvbench.policies.base import batch_limit
+from kvbench.policies.base import batch_limit, takes_budget
 from kvbench.results import RunFolder, now, union_models
 from kvbench.runner import compressed_prompt, evaluate, evaluate_rows, repeat_timed
 from kvbench.session import RunSettings, SharedPrefill, compression_plan, shared_prefill, wanted_compressions
@@ -85,7 +85,8 @@ def expand(config: SweepConfig) -> list[Cell]:
         for length in config.context_lengths:
             for question in config.question:
                 for policy in config.policies:
-                    keeps_all = not POLICIES.get(policy.name).phases  # full, or a compression that drops nothing
+                    # full, or a compression that drops nothing: no budget
+                    keeps_all = not takes_budget(POLICIES.get(policy.name))
                     for budget in [None] if keeps_all else policy.budgets or config.budgets:
                         cells.append(Cell({
                             "model": model.identity(),

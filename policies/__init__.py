@@ -19,6 +19,7 @@ from kvbench.policies import (  # noqa: F401
     mixed_precision,
     pyramidkv,
     quant,
+    quest,
     random,
     razorattention,
     scissorhands,

@@ -6,6 +6,10 @@ are kept, `budget` of them per KV head. Entries a policy must never evict get `+
 
 A compression policy (quant, mixed_precision, lowrank) returns a storage `layout()` instead; any eviction
 policy takes one with `storage:` (`{name: h2o, storage: {quant: {bits: 4}}}`): fewer tokens, fewer bits.
+
+A sparse policy (quest) evicts nothing: the cache keeps every entry, and at each decode step `read_mask()` says
+which of them the step's query attends to, `budget` tokens' worth (the engine masks the rest in
+kvbench/attention.py and counts the bytes read).
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ class Policy:
     # budget holds for the whole generation. No phase: keeps everything.
     phases: ClassVar[tuple[str, ...]] = ("prefill", "decode")
     needs_attention: ClassVar[bool] = False
-    # how it saves memory: drops entries (eviction), keeps every token in fewer bytes or entries (compression)
+    # how it saves memory: drops entries (eviction), keeps every token in fewer bytes or entries (compression);
+    # or how it saves reads: keeps every entry, each decode step reads a budget's worth of them (sparse)
     family: ClassVar[str] = "eviction"
     # the kept entries stored compressed: a storage policy's name, or {name: {params}}
     storage: str | dict[str, Any] | None = dataclasses.field(default=None, kw_only=True)
@@ -121,6 +126,13 @@ class Policy:
         extra forwards through it here (KVzip's reconstruction, with `session.probe`)."""
 
     @hook("active")
+    def read_mask(self, layer: LayerKV, query: torch.Tensor, budget: int) -> torch.Tensor | None:
+        """A sparse policy's choice of what a decode step reads: `[batch, heads or kv_heads, length]`, True on the
+        slots the one-token `query` `[batch, heads, 1, head_dim]` attends to (the new token's slot among them),
+        about `budget` per head; None: every slot (the default, and what a dense layer reads)."""
+        return None
+
+    @hook("active")
     def active(self, cache: KVCache) -> bool:
         """Whether the cache should evict now (a policy may wait, e.g. until a memory limit is reached)."""
         return True
@@ -152,7 +164,9 @@ class Policy:
 
     @property
     def budget_scope(self) -> str:
-        """What the budget bounds: the whole generation, only the prompt, or nothing."""
+        """What the budget bounds: the whole generation, only the prompt, each decode step's reads, or nothing."""
+        if self.family == "sparse":
+            return "read"
         return "decode" if self.evicts_during_decode else ("prefill" if self.phases else "none")
 
     @classmethod
@@ -183,6 +197,12 @@ class Policy:
     def state_key(self) -> str:
         """Names this instance's per-slot statistics, so several policies can observe one shared prefill."""
         return repr(sorted(self.describe().items()))
+
+
+def takes_budget(policy: Policy | type[Policy]) -> bool:
+    """Whether a budget means anything to `policy` (an instance or a class): it evicts to one, or reads one's worth
+    per decode step (sparse). `full` and a storage policy alone keep every token whatever the budget."""
+    return bool(policy.phases) or policy.family == "sparse"
 
 
 POLICIES: Registry[Policy] = Registry("policy")

@@ -52,3 +52,20 @@ def test_think_rows_of_one_length_each_keep_their_own_channels(sharp_llama):
                          eos_token_ids=set())
         assert row == alone.tokens
     assert measured["kv_bytes_live"] == 2 * alone.measurements["kv_bytes_live"]
+
+
+def test_quest_rows_read_as_they_would_alone(sharp_llama):
+    """Quest pages each row from its own first token: a left-padded row reads the pages it reads alone, and its
+    record counts its own bytes read."""
+    from kvbench.session import Prompt, generate_rows
+
+    quest = build_policy("quest", {"page_size": 8, "dense_layers": 0})
+    prompts = [random_ids(n, seed=n) for n in LENGTHS]
+    settings = RunSettings(budget=16)
+    rows = generate_rows(sharp_llama, quest, [Prompt(p, [], 12) for p in prompts], settings, eos_token_ids=set())
+    for prompt, row in zip(prompts, rows, strict=True):
+        alone = generate(sharp_llama, quest, prompt, [], settings, max_new_tokens=12, eos_token_ids=set())
+        assert row.tokens == alone.tokens, len(prompt)
+        for column in ("kv_bytes_read", "kv_bytes_read_full", "kv_bytes_live"):
+            assert row.measurements[column] == alone.measurements[column], (column, len(prompt))
+        assert row.measurements["kv_bytes_read"] < row.measurements["kv_bytes_read_full"]

@@ -57,6 +57,7 @@ POLICY_SPECS = [
     {"name": "quant", **QUANT}, {"name": "mixed_precision", "recent": 8, "group_size": 8},
     {"name": "lowrank", "rank": 4}, {"name": "h2o", "budgets": [24], "storage": {"quant": QUANT}},
     {"name": "think", "window": 8, "recent": 4}, {"name": "snapkv", "window": 8, "storage": {"think": {"window": 8}}},
+    {"name": "quest", "page_size": 8, "dense_layers": 0},  # sparse: keeps every token, reads pages
 ]
 
 # samples of very different lengths (the shortest an eighth of the longest), answers cut at different lengths,
@@ -191,7 +192,8 @@ def alone_and_batched(lm, name: str, params: dict, settings: RunSettings, rows: 
 @pytest.mark.parametrize("name, params", [("h2o", {}), ("snapkv", {"window": 8}), ("tova", {}),
                                           ("scissorhands", {"history": 8, "recent": 4}), ("window", {}),
                                           ("razorattention", {"calibration_tokens": 32, "induction": 0.25}),
-                                          ("duoattention", NEEDED_PARAMS["duoattention"])])
+                                          ("duoattention", NEEDED_PARAMS["duoattention"]),
+                                          ("quest", {"page_size": 8, "dense_layers": 0})])
 def test_each_row_stops_at_its_own_end_of_sequence(sharp_llama, name, params):
     """A row whose answer ends early (an end-of-sequence token it met alone) keeps its record as it ended, while
     the others decode on."""

@@ -55,6 +55,9 @@ def make_run(path, name="synthetic", model="m", shift=0.0):
                         "meta": {"depth": depth, "needle": "The special magic number for tiger is: 42."},
                         "scores": {"score": score}, "prediction": "42" if score else "7", "references": ["42"],
                         "cache_ratio": ratio, "kv_bytes_live": ratio * length * 1024, "kv_bytes_peak": length * 1024,
+                        # a decode step reads what the cache holds, but snapkv's here read half (as a sparse one)
+                        "read_ratio": ratio / (2 if policy == "snapkv" else 1),
+                        "kv_bytes_read": ratio / (2 if policy == "snapkv" else 1) * length * 64,
                         "ttft_s": 0.1, "tpot_s": 0.01, "decode_tok_s": 100 / (1 + ratio), "prefill_tok_s": 1000.0,
                         "mem_peak_alloc": 2**30, "budget_tokens": budget, "scenario": "prompt-heavy",
                     })
@@ -83,6 +86,22 @@ def test_every_figure_is_written_as_png_and_pdf(run):
     for name in names:
         data = (run / "pdf" / f"{name}.pdf").read_bytes()
         assert data.startswith(b"%PDF") and len(data) > 5_000 and b"/FontFile2" in data  # TrueType, embedded
+
+
+def test_read_axis_plots_the_bytes_read(run):
+    frame = summarize(run, write=False)
+    drawn = figures(run, x="read")
+    assert {"score_vs_read_niah", "score_vs_read_bytes_niah", "pareto_read"} <= set(drawn)
+    lines = {line.get_label(): line for line in drawn["score_vs_read_niah"].axes[1].lines}
+    expected = frame[(frame["policy"] == "snapkv") & (frame["context_length"] == 1024)].sort_values("read_ratio")
+    np.testing.assert_allclose(lines["snapkv"].get_xdata(), expected["read_ratio"])
+    np.testing.assert_allclose(lines["snapkv"].get_xdata(), expected["cache_ratio"] / 2)
+    assert "read ratio" in drawn["score_vs_read_niah"].axes[1].get_xlabel()
+    result = runner.invoke(app, ["plot", str(run), "--x", "read"])
+    assert result.exit_code == 0, result.output
+    assert (run / "figures" / "score_vs_read_niah.png").read_bytes().startswith(b"\x89PNG")
+    result = runner.invoke(app, ["plot", str(run), "--x", "kept"])
+    assert result.exit_code == 2 and "unknown x axis 'kept' (use stored, read)" in result.output
 
 
 def test_curves_plot_the_summary_numbers(run):

@@ -61,8 +61,8 @@ for _name in hooks():
 def call_hook(policy: Policy, name: str, cache) -> None:
     layer = SimpleNamespace(owner=cache)
     arguments = {"observe": (layer, None, None, 1.0, cache.phase), "score": (layer, 8), "select": (layer, 8),
-                 "fold": (layer, None), "layer_budgets": (8, 2), "active": (cache,), "report": (),
-                 "check_settings": (False,), "check_budget": (8,), "observers": (), "state_keys": (),
+                 "fold": (layer, None), "read_mask": (layer, None, 8), "layer_budgets": (8, 2), "active": (cache,),
+                 "report": (), "check_settings": (False,), "check_budget": (8,), "observers": (), "state_keys": (),
                  "batch_limits": (), "after_prompt": (SimpleNamespace(cache=cache), None), "prepare": (None,)}
     getattr(policy, name)(*arguments[name])
 

@@ -37,17 +37,19 @@ def plot(
     fmt: str = typer.Option("png", "--format", help="png, pdf or svg."),
     style: str = typer.Option("default", "--style", help="default, or paper: two-column sizes, fonts that embed."),
     log_x: bool = typer.Option(False, "--log-x", help="Logarithmic cache-ratio / bytes axis."),
+    x: str = typer.Option("stored", "--x", help="The curves' x axis: stored (cache ratio, KV bytes held) or read "
+                          "(read ratio, K/V bytes read per decode step)."),
 ) -> None:
     """Draw score vs cache ratio and bytes, needle heatmaps, memory, speed and the Pareto front; for a folder of
     runs, each run's figures and compare_<task> figures of the runs that share a task and model."""
     from kvbench.plot import plot_folder, plot_run
 
     if _is_run(run):
-        paths = plot_run(run, out, fmt, style, log_x)
+        paths = plot_run(run, out, fmt, style, log_x, x)
         stdout.print(f"{len(paths)} figures in {paths[0].parent}: " + ", ".join(p.name for p in paths),
                      highlight=False)
         return
-    paths = plot_folder(run, out, fmt, style, log_x)
+    paths = plot_folder(run, out, fmt, style, log_x, x)
     compared = [p for p in paths if p.name.startswith("compare_")]
     stdout.print(f"{len(paths) - len(compared)} figures in the runs' folders, {len(compared)} comparisons"
                  + (f" in {compared[0].parent}: " + ", ".join(p.name for p in compared) if compared else ""),

@@ -56,6 +56,7 @@ def run(
 ) -> None:
     """Run policies on a task and compare quality, speed and cache memory."""
     from kvbench.policies import build_policy
+    from kvbench.policies.base import takes_budget
     from kvbench.registry import load_plugins
     from kvbench.runner import evaluate
     from kvbench.session import RunSettings
@@ -75,7 +76,7 @@ def run(
     policies = [build_policy(name, routed.get(name, {})) for name in names]
     for pol in policies:  # token budgets can be checked before the model loads; ratios only per prompt
         for setting in settings:
-            if pol.phases and isinstance(setting.budget, int):
+            if takes_budget(pol) and isinstance(setting.budget, int):
                 pol.check_budget(setting.budget)
     task_params = parse_assignments(task_param, "--task-param")
     if depth:
@@ -92,7 +93,7 @@ def run(
         for sample in task_obj.samples(lm.tokenizer, length, samples, seed):
             for pol in policies:
                 # a budget means nothing to `full`: run it once per sample, not once per budget
-                for setting in settings[:1] if not pol.phases else settings:
+                for setting in settings[:1] if not takes_budget(pol) else settings:
                     work.append((length, sample, pol, setting))
 
     records = []
