@@ -293,6 +293,13 @@ class LayerKV(CacheLayerMixin):
         if self.capacity >= 2 * target:
             self._reallocate(target)
 
+    def fit(self) -> None:
+        """Give back every slot beyond what the layer's buffer needs now (`retain` and `evict` give them back only
+        once the buffer is twice that, so that decode steps do not reallocate)."""
+        target = self.owner.capacity_for(self.length, self.layer_idx)
+        if self.capacity > target:
+            self._reallocate(target)
+
     def slide(self) -> None:
         """On a sliding layer, drop what no later query can see: beyond `window - 1` entries per head, the oldest
         (padding slots first). Those are all out of the window, and their count needs nothing from the device."""
@@ -621,6 +628,8 @@ class KVCache(Cache):
                 keep &= ~unseen
             before = layer.live_entries()
             layer.retain(keep)
+            if self.phase is Phase.PREFILL:  # whatever share it kept, the prompt's compression frees what it dropped
+                layer.fit()
             self.evictions += before - layer.live_entries()
 
     def layer_ratios(self) -> list[float]:

@@ -67,7 +67,8 @@ class Cell:
     def settings(self, kv_limit_bytes: int | None = None) -> RunSettings:
         d = self.description
         return RunSettings(budget=budget_value(d["budget"]), prefill=d["prefill"]["mode"],
-                           prefill_chunk=d["prefill"]["chunk"] or 1, question=d["question"], evict_every=d["evict_every"], max_new_tokens=d["max_new_tokens"],
+                           prefill_chunk=d["prefill"]["chunk"] or 1, question=d["question"],
+                           evict_every=d["evict_every"], max_new_tokens=d["max_new_tokens"],
                            kv_limit_bytes=kv_limit_bytes, fidelity="fidelity" in d.get("diagnostics", ()))
 
     @property
