@@ -72,6 +72,11 @@ def budget_text(budget: Any) -> str:
     return str(budget) if threshold is None else str(threshold)
 
 
+def budget_suffix(budget: Any) -> str:
+    """A label's budget part: ` b=0.25`, ` b=threshold=0.01`, or nothing without a budget."""
+    return "" if budget is None else f" b={budget_text(budget)}"
+
+
 def budget_order(text: str) -> tuple[int, float]:
     """Sorts budgets as `budget_text` writes them: none, ratios, token counts, then thresholds (each ascending)."""
     if text == "-":

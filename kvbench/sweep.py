@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kvbench.budgets import budget_text, budget_value, threshold_from
+from kvbench.budgets import budget_suffix, budget_value, threshold_from
 from kvbench.config import SweepConfig
 from kvbench.errors import KvbenchError
 from kvbench.estimate import parse_bytes
@@ -75,8 +75,8 @@ class Cell:
     def label(self) -> str:
         d = self.description
         params = ",".join(f"{k}={v}" for k, v in d["policy"]["params"].items())
-        budget = "" if d["budget"] is None else f" b={budget_text(d['budget'])}"
-        return f"{d['policy']['name']}{f'({params})' if params else ''}{budget} L={d['context_length']}"
+        policy = f"{d['policy']['name']}{f'({params})' if params else ''}"
+        return f"{policy}{budget_suffix(d['budget'])} L={d['context_length']}"
 
 
 def expand(config: SweepConfig) -> list[Cell]:
