@@ -306,8 +306,8 @@ def _needle_heatmaps(plt, records: list[dict[str, Any]], style: str):
                     axis.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize="x-small")
             axis.set_xticks(range(len(lengths)), [str(v) for v in lengths], fontsize="x-small")
             axis.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize="x-small")
-            budget_text = "" if wanted == "-" else f"b={budget}, "
-            axis.set_title(f"{budget_text}mean {np.nanmean(values):.2f}", fontsize="small")
+            heading = "" if wanted == "-" else f"b={budget}, "
+            axis.set_title(f"{heading}mean {np.nanmean(values):.2f}", fontsize="small")
             if not labelled:  # the row's first panel (a policy with its own budgets may skip columns)
                 axis.set_ylabel(f"{policy}\ndepth", fontsize="small")
                 labelled = True
