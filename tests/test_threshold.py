@@ -14,7 +14,6 @@ from matplotlib.collections import LineCollection
 from typer.testing import CliRunner
 
 from kvbench.budgets import Threshold
-from kvbench.check import kept_masks
 from kvbench.cli import app
 from kvbench.config import load_config
 from kvbench.errors import KvbenchError
