@@ -19,6 +19,7 @@ import torch
 import transformers
 import yaml
 
+from kvbench.budgets import Threshold
 from kvbench.models import load_model
 from kvbench.policies.base import build_spec
 from kvbench.session import RunSettings, Session
@@ -46,7 +47,7 @@ def agreement(ours: torch.Tensor, theirs: torch.Tensor, kind: str) -> torch.Tens
     return common / (ours | theirs).sum(-1).clamp_min(1)
 
 
-def kvbench_masks(lm, spec: dict, prompt: list[int], budget: int) -> list[torch.Tensor]:
+def kvbench_masks(lm, spec: dict, prompt: list[int], budget: int | Threshold) -> list[torch.Tensor]:
     session = Session(lm, build_spec(spec), RunSettings(budget=budget), prompt_tokens=len(prompt))
     session.prefill(prompt)
     return kept_masks(session.cache)
@@ -62,7 +63,8 @@ def compare(work: Path, config: dict) -> list[Agreement]:
         for case in config["cases"]:
             scores, ours_kept, theirs_kept = [], 0, 0
             for prompt, their_masks in zip(prompts[name], theirs[name][case["name"]], strict=True):
-                our_masks = kvbench_masks(lm, case["kvbench"], prompt, kept_per_head(config, len(prompt)))
+                budget = Threshold(case["threshold"]) if "threshold" in case else kept_per_head(config, len(prompt))
+                our_masks = kvbench_masks(lm, case["kvbench"], prompt, budget)
                 for ours, other in zip(our_masks, their_masks, strict=True):
                     scores.append(agreement(ours, other, case["agreement"]))
                     ours_kept, theirs_kept = ours_kept + int(ours.sum()), theirs_kept + int(other.sum())

@@ -91,7 +91,8 @@ def main(work: Path, cases: list[str] | None = None) -> None:
             n, slots = len(prompt), model.config.num_hidden_layers * model.config.num_key_value_heads * len(prompt)
             for case in config["cases"]:
                 press = build_press(case["kvpress"])
-                press.compression_ratio = compression_ratio(press, kept_per_head(config, n), n, slots)
+                if "threshold" not in case:  # a threshold press (DMSPress) keeps what its threshold decides
+                    press.compression_ratio = compression_ratio(press, kept_per_head(config, n), n, slots)
                 for layer in model.model.layers:
                     layer.self_attn.masked_key_indices = None
                 cache = DynamicCache()

@@ -20,9 +20,20 @@ def test_every_case_builds_and_states_its_tolerance_and_reason():
     assert {"snapkv", "streaming_llm", "knorm", "tova", "pyramidkv", "expected_attention", "keydiff", "lagkv",
             "chunkkv", "criticalkv", "ada_kv", "kvzip"} <= set(names)
     for case in CONFIG["cases"]:
-        assert build_spec(case["kvbench"]).name == case["name"]
+        # a threshold case is named for kvpress's threshold press around the policy (dms_snapkv)
+        assert build_spec(case["kvbench"]).name == case["name"].removeprefix("dms_")
         assert case["agreement"] in ("jaccard", "nested") and case["kvpress"]["class"].endswith("Press")
         assert 0 < case["min_worst"] <= case["min_mean"] <= 1 and case["reason"]
+
+
+def test_a_threshold_case_protects_the_window_kvpress_protects():
+    """DMSPress keeps its last `sliding_window_size` tokens whatever their scores: the kvbench side must protect
+    as many (SnapKV's observation window), or the two would differ by design."""
+    cases = [case for case in CONFIG["cases"] if "threshold" in case]
+    assert cases
+    for case in cases:
+        assert case["kvpress"]["class"] == "DMSPress" and case["kvpress"]["threshold"] == case["threshold"]
+        assert case["kvpress"]["sliding_window_size"] == build_spec(case["kvbench"]).window
 
 
 def test_agreement_is_jaccard_or_the_overlap_of_the_smaller_set():
