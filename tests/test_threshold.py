@@ -117,6 +117,21 @@ def test_a_decode_time_policy_applies_it_while_decoding(sharp_llama):
     assert held[1:4] == [held[0] + 1, held[0] + 2, held[0] + 3]
 
 
+def test_later_compressions_never_keep_the_padding_of_uneven_heads(sharp_llama):
+    """After the prompt, heads hold different counts (the shorter padded); each decode step's threshold keeps only
+    real entries: the new token or ones held before, each once."""
+    policy = build_policy("knorm", {"decode": True})
+    session, history = run_session(sharp_llama, policy, PROMPT, random_ids(6, seed=6), Threshold(1 / len(PROMPT)))
+    assert len({int(c) for c in history[0][0].sum(dim=-1)}) > 1, "uneven heads"
+    for step, (before, after) in enumerate(zip(history, history[1:], strict=False)):
+        for layer, (held, kept) in enumerate(zip(before, after, strict=True)):
+            new = torch.zeros_like(kept)
+            new[:, -1] = True
+            assert not (kept & ~torch.cat([held, torch.zeros_like(held[:, :1])], dim=-1) & ~new).any(), (step, layer)
+    for layer, kept in zip(session.cache.layers, history[-1], strict=True):
+        assert layer.live_entries() == int(kept.sum())  # no slot holds a position twice
+
+
 def test_a_batch_of_rows_is_refused_by_the_cache(tiny_llama):
     from kvbench.session import RunSettings, Session
 
