@@ -107,6 +107,17 @@ def test_never_above_the_prompt(sharp_llama, name):
     assert session.cache.layer_ratios() == [1.0] * sharp_llama.num_layers
 
 
+def test_a_threshold_that_keeps_everything_generates_as_the_full_cache(sharp_llama):
+    from kvbench.session import RunSettings, generate
+
+    question, settings = random_ids(4, seed=7), RunSettings(budget=Threshold(1e-12))
+    full = generate(sharp_llama, build_policy("full"), PROMPT, question, RunSettings(), 6, eos_token_ids=set())
+    kept_all = generate(sharp_llama, build_policy("snapkv", {"window": 8}), PROMPT, question, settings, 6,
+                        eos_token_ids=set())
+    # the same entries; a per-head store masks its (empty) padding, a path that may round differently
+    assert kept_all.tokens == full.tokens and torch.allclose(kept_all.last_logits, full.last_logits, atol=1e-5)
+
+
 def test_a_decode_time_policy_applies_it_while_decoding(sharp_llama):
     """TOVA evicts every `evict_every` tokens as it does under a token budget: each time, what the newest query
     attends to below the threshold leaves, whatever the count."""
