@@ -157,7 +157,8 @@ class Session:
                              evict_every=settings.evict_every, headroom=max(headrooms), growth=max(growths),
                              observers=observers, limit_bytes=settings.kv_limit_bytes, prompt_tokens=prompts[0],
                              left_padding=left_padding if padded else None, model=lm.internals,
-                             kinds=lm.layer_kinds, rows=accounts, threshold=threshold_of(settings))
+                             kinds=lm.layer_kinds, rows=accounts,
+                             threshold=None if self.budget is None else threshold_of(settings))
         self.logits: torch.Tensor | None = None  # [rows, vocab]: the prediction of the next token
         self.pending: list[int] = []  # a generated token not fed yet: it goes in front of what comes next
         self.shared: SharedPrefill | None = None
@@ -495,7 +496,7 @@ def policy_budget(policy: Policy, settings: RunSettings, prompt_tokens: int, chu
     budget = None if not policy.phases else resolve_budget(settings.budget, prompt_tokens)
     if policy.phases and budget is None:
         raise KvbenchError(f"policy '{policy.name}' needs a budget")
-    if isinstance(settings.budget, Threshold):
+    if budget is not None and isinstance(settings.budget, Threshold):
         policy.check_threshold()
     if budget is not None:
         policy.check_budget(budget)

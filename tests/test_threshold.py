@@ -277,8 +277,8 @@ def test_the_run_command_takes_a_threshold_and_refuses_it_where_it_cannot_be(tmp
     result = runner.invoke(app, ["estimate", "random:tiny-llama", "-c", "64", "-b", "threshold=0.01"])
     assert result.exit_code == 2 and "threshold" in result.output and len(result.output.strip().splitlines()) == 1
     result = runner.invoke(app, ["run", "-m", "random:tiny-llama", "--dtype", "float32", "--device", "cpu",
-                                 "-p", "knorm", "-b", "threshold=0.01", "-c", "300", "--max-new-tokens", "2", "--json",
-                                 "--no-reference"])
+                                 "-p", "knorm", "-b", "threshold=0.01", "-c", "300", "--max-new-tokens", "2", "--json"])
     assert result.exit_code == 0, result.output
-    record = json.loads(result.output.strip().splitlines()[-1])
-    assert record["budget"] == {"threshold": 0.01} and record["threshold"] == 0.01 and record["layer_ratios"]
+    full, knorm = (json.loads(line) for line in result.output.strip().splitlines()[-2:])
+    assert knorm["budget"] == {"threshold": 0.01} and knorm["threshold"] == 0.01 and knorm["layer_ratios"]
+    assert full["policy"]["name"] == "full" and full["budget"] is None and "threshold" not in full
