@@ -257,15 +257,17 @@ def test_a_bad_threshold_is_one_line_naming_it(tmp_path, budget, culprit):
         load_config(config)
 
 
-@pytest.mark.parametrize("policy", ["window", "streaming_llm", "pyramidkv", "ada_kv", "chunkkv", "quant"])
+@pytest.mark.parametrize("policy", ["window", "streaming_llm", "pyramidkv", "ada_kv", "chunkkv", "random"])
 def test_a_policy_that_cannot_take_a_threshold_is_named(tmp_path, policy):
     config = write_config(tmp_path, {**SWEEP, "policies": ["full", policy], "budgets": [{"threshold": 0.01}]})
-    culprit = f"policy '{policy}' takes no threshold budget" if policy != "quant" else "quant"
-    if policy == "quant":  # a storage keeps every token: it gets no budget cell, so the sweep has nothing to refuse
-        assert all(cell.description["budget"] is None for cell in expand(load_config(config))
-                   if cell.description["policy"]["name"] == "quant")
-        return
-    assert_rejected_in_one_line(config, culprit, tmp_path / "run")
+    assert_rejected_in_one_line(config, f"policy '{policy}' takes no threshold budget", tmp_path / "run")
+
+
+def test_full_and_storage_policies_run_once_beside_threshold_cells(tmp_path):
+    """They keep every token and get no budget cell (as with any budget), so there is nothing to refuse."""
+    config = write_config(tmp_path, {**SWEEP, "policies": ["full", "quant", "knorm"], "budgets": [{"threshold": 0.01}]})
+    budgets = {cell.description["policy"]["name"]: cell.description["budget"] for cell in expand(load_config(config))}
+    assert budgets == {"full": None, "quant": None, "knorm": {"threshold": 0.01}}
 
 
 def test_the_run_command_takes_a_threshold_and_refuses_it_where_it_cannot_be(tmp_path):
