@@ -37,6 +37,7 @@ from kvbench.measure import synchronize
 from kvbench.rows import RowAccounts, RowView, rows_of
 
 if TYPE_CHECKING:
+    from kvbench.budgets import Threshold
     from kvbench.models import ModelInternals
     from kvbench.policies.base import Policy
 
@@ -269,6 +270,11 @@ class LayerKV(CacheLayerMixin):
         stat = self.slot_stats.get(PADDING)
         return None if stat is None else stat[:, :, : self.length]
 
+    def full_entries(self) -> int:
+        """Entries per KV head a stock cache would hold here: every token of a full layer, the last window - 1 of
+        a sliding one."""
+        return self.seen if self.kind.window is None else min(self.seen, self.kind.window - 1)
+
     def live_entries(self) -> int:
         """Entries held over all heads (padding slots excluded)."""
         if self.positions is None:  # initialized, buffers not allocated yet
@@ -294,6 +300,13 @@ class LayerKV(CacheLayerMixin):
         self.slot_stats[PADDING][..., :width] = torch.arange(width, device=self.device) >= counts
         target = self.owner.capacity_for(width, self.layer_idx)
         if self.capacity >= 2 * target:
+            self._reallocate(target)
+
+    def fit(self) -> None:
+        """Give back every slot beyond what the layer's buffer needs now (`retain` and `evict` give them back only
+        once the buffer is twice that, so that decode steps do not reallocate)."""
+        target = self.owner.capacity_for(self.length, self.layer_idx)
+        if self.capacity > target:
             self._reallocate(target)
 
     def slide(self) -> None:
@@ -446,7 +459,9 @@ def _take(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 class KVCache(Cache):
     """The cache handed to the model: one `LayerKV` per layer, compressed by `policy` to `budget`.
 
-    `budget` is the resolved token count per layer and KV head (None: keep everything).
+    `budget` is the resolved token count per layer and KV head (None: keep everything). With `threshold`, each
+    compression keeps instead what reaches it by the policy's `threshold_score`, any count per head (`budget` is
+    then the prompt: the most it may keep).
     `evict_every` is the slack of a decode-time policy: it evicts once `evict_every` entries have
     arrived beyond the budget. While the budget holds (always for a decode-time policy, during the
     prompt for a prefill-time one) a layer's buffer has `budget + headroom` slots, so prefill chunks
@@ -471,8 +486,14 @@ class KVCache(Cache):
         kinds: list[LayerKind] | None = None,
         rows: RowAccounts | None = None,
         read_budget: int | None = None,
+        threshold: Threshold | None = None,
     ) -> None:
         self.policy = policy
+        if threshold is not None and batch_heads_dim[0] > 1:
+            raise KvbenchError(f"policy '{policy.name}' at {threshold}: a threshold keeps each sequence's own count, "
+                               "so it runs one sequence at a time")
+        self.threshold = threshold
+        self.threshold_seen = 0  # tokens seen at the last threshold compression (decode applies it every evict_every)
         self.kinds = kinds or [FULL] * num_layers  # how each layer attends (sliding window, soft cap)
         self.slides = True  # sliding layers drop what left their window (not during a probe, which is forgotten)
         self._model = model  # what a policy may read of the model (rotary embedding, output projections)
@@ -545,7 +566,8 @@ class KVCache(Cache):
         headroom = self.headroom if headroom is None else headroom
         bounded = self.phase is Phase.PREFILL or self.policy.evicts_during_decode
         held = None  # the most entries the layer keeps between forwards, if bounded
-        if self.budget is not None and bounded and self.policy.active(self):
+        # a threshold bounds nothing ahead: the buffer fits what it kept, growing as a full cache does
+        if self.budget is not None and self.threshold is None and bounded and self.policy.active(self):
             held = self.layer_budgets[layer_idx]
         window = self.kinds[layer_idx].window
         if window is not None:
@@ -646,6 +668,9 @@ class KVCache(Cache):
         """Evict down to the budget: always after a prefill chunk, every `evict_every` tokens in decode."""
         if self.budget is None or not self.policy.active(self):
             return
+        if self.threshold is not None:
+            self._compress_to_threshold()
+            return
         slack = 1 if self.phase is Phase.PREFILL else self.evict_every
         for layer, budget in zip(self.layers, self.layer_budgets, strict=True):
             if self.rows is not None:
@@ -674,6 +699,36 @@ class KVCache(Cache):
             self.policy.fold(layer, evicted)
             layer.evict(evicted)
             self.evictions += evicted.numel()
+
+    def _compress_to_threshold(self) -> None:
+        """`compress` under a threshold: every layer keeps, per KV head, the entries whose `threshold_score` reaches
+        it (the policy's protected, +inf ones always; never more than it holds), through `retain` as Ada-KV's
+        uneven heads do. After each prompt chunk, and while decoding every `evict_every` tokens."""
+        assert self.threshold is not None
+        seen = self.layers[0].seen
+        if self.phase is Phase.DECODE and seen - self.threshold_seen < self.evict_every:
+            return
+        self.threshold_seen = seen
+        for layer in self.layers:
+            layer.heads_share_positions = False
+            keep = self.policy.threshold_score(layer) >= self.threshold.value
+            padding = layer.padding()
+            if padding is not None:  # slots an earlier compression left a head without: never kept
+                keep &= ~padding
+            unseen = layer.out_of_window()
+            if unseen is not None:  # on a sliding layer, what no query can see goes whatever its score
+                keep &= ~unseen
+            before = layer.live_entries()
+            layer.retain(keep)
+            if self.phase is Phase.PREFILL:  # whatever share it kept, the prompt's compression frees what it dropped
+                layer.fit()
+            self.evictions += before - layer.live_entries()
+
+    def layer_ratios(self) -> list[float]:
+        """Each layer's entries held over what a full cache holds there (a threshold cell's record)."""
+        batch, heads, _ = self.batch_heads_dim
+        return [layer.live_entries() / (batch * heads * layer.full_entries())
+                for layer in self.layers if layer.is_initialized and layer.seen]
 
     def _compress_rows(self, layer: LayerKV, budget: int, slack: int) -> None:
         """`compress` for a batch: each row evicts when and what its own cache would (its real entries beyond the
@@ -810,9 +865,7 @@ class KVCache(Cache):
         batch, heads, head_dim = self.batch_heads_dim
         layers = [layer for layer in self.layers if layer.is_initialized]
         full_slot = 2 * batch * heads * head_dim * layers[0].dtype.itemsize if layers else 0
-        # a stock cache holds every token of a full layer and the last window - 1 of a sliding one
-        full_entries = sum(layer.seen if layer.kind.window is None else min(layer.seen, layer.kind.window - 1)
-                           for layer in layers)
+        full_entries = sum(layer.full_entries() for layer in layers)
         lengths = [layer.length for layer in layers] or [0]
         per_head = [layer.live_entries() / (batch * heads) for layer in layers] or [0]
         physical = self.physical_bytes()

@@ -17,8 +17,12 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvbench.budgets import THRESHOLD, Threshold, budget_description, threshold_from
 from kvbench.errors import KvbenchError
 from kvbench.session import check_budget
+
+# a budget as a config writes it: tokens per layer and KV head, a ratio of the prompt, or {threshold: t}
+BudgetSpec = int | float | dict[str, float]
 
 # an integer budget this small is more likely a ratio written without its decimal point than a real token count
 RATIO_LIKE_BELOW = 16
@@ -74,7 +78,7 @@ class PolicySpec(NamedSpec):
     """A policy; `budgets:` (or `budget:`) gives it its own budgets instead of the sweep's, e.g. to set a
     hybrid policy beside a compression one at equal bytes."""
 
-    budgets: list[int | float] | None = Field(None, min_length=1)
+    budgets: list[BudgetSpec] | None = Field(None, min_length=1)
 
     @field_validator("budgets", mode="before")
     @classmethod
@@ -93,7 +97,7 @@ class PolicySpec(NamedSpec):
 
     @field_validator("budgets")
     @classmethod
-    def _budgets(cls, budgets: list[int | float] | None) -> list[int | float] | None:
+    def _budgets(cls, budgets: list[BudgetSpec] | None) -> list[BudgetSpec] | None:
         _check_budgets(budgets or [])
         return budgets
 
@@ -127,7 +131,8 @@ class SweepConfig(Strict):
     models: list[ModelConfig] | None = Field(None, min_length=1)
     dtypes: list[str] | None = Field(None, min_length=1)
     policies: list[PolicySpec] = Field(min_length=1)
-    budgets: list[int | float] = Field(min_length=1)
+    # tokens per layer and KV head, ratios of the prompt, or {threshold: t} (kvbench/budgets.py)
+    budgets: list[BudgetSpec] = Field(min_length=1)
     context_lengths: list[int] = Field(min_length=1)
     tasks: list[TaskSpec] = Field(min_length=1)
     prefill: PrefillConfig = PrefillConfig()
@@ -218,7 +223,7 @@ class SweepConfig(Strict):
 
     @field_validator("budgets")
     @classmethod
-    def _budgets(cls, budgets: list[int | float]) -> list[int | float]:
+    def _budgets(cls, budgets: list[BudgetSpec]) -> list[BudgetSpec]:
         _check_budgets(budgets)
         return budgets
 
@@ -268,6 +273,11 @@ class SweepConfig(Strict):
                     except KvbenchError as exc:
                         raise _Located((field, index, "name"), str(exc)) from None
                     for budget in spec.budgets or self.budgets:
+                        if takes_budget(built) and threshold_from(budget) is not None:
+                            try:
+                                built.check_threshold()
+                            except KvbenchError as exc:
+                                raise _Located((field, index, "name"), str(exc)) from None
                         if takes_budget(built) and isinstance(budget, int):
                             try:
                                 built.check_budget(budget)
@@ -275,7 +285,7 @@ class SweepConfig(Strict):
                                 raise _Located(("budgets",), str(exc)) from None
         return self
 
-    def all_budgets(self) -> list[int | float]:
+    def all_budgets(self) -> list[BudgetSpec]:
         """The sweep's budgets and every policy's own."""
         return [*self.budgets, *(budget for policy in self.policies for budget in policy.budgets or [])]
 
@@ -303,11 +313,14 @@ class SweepConfig(Strict):
         return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def budget_from_text(text: str) -> int | float:
-    """`128` (tokens per layer and KV head), `0.25` or `25%` (a ratio of the prompt), checked."""
+def budget_from_text(text: str) -> int | float | Threshold:
+    """`128` (tokens per layer and KV head), `0.25` or `25%` (a ratio of the prompt), or `threshold=0.01` (a
+    threshold on the policy's normalised score), checked."""
     text = text.strip()
-    not_a_budget = f"budget '{text}' is not a number (128 tokens) or a ratio (0.25 or 25%)"
+    not_a_budget = f"budget '{text}' is not a number (128 tokens), a ratio (0.25 or 25%) or threshold=0.01"
     try:
+        if text.startswith(f"{THRESHOLD}="):
+            return Threshold(float(text.removeprefix(f"{THRESHOLD}=")))
         if text.endswith("%"):
             percent = float(text.removesuffix("%"))
             if not 0 < percent <= 100:
@@ -324,7 +337,7 @@ def budget_from_text(text: str) -> int | float:
     return value
 
 
-def warn_if_ratio_like(budget: int | float | None) -> None:
+def warn_if_ratio_like(budget: int | float | Threshold | None) -> None:
     """One line on stderr (through logging) for an integer budget under RATIO_LIKE_BELOW: `1` is one token,
     `1.0` the whole prompt."""
     if isinstance(budget, int) and not isinstance(budget, bool) and 0 < budget < RATIO_LIKE_BELOW:
@@ -334,23 +347,27 @@ def warn_if_ratio_like(budget: int | float | None) -> None:
 
 
 def _parsed_budgets(value: Any) -> Any:
-    """Budgets written as text in YAML (`25%`) become numbers; everything else is left to pydantic."""
+    """Budgets written as text in YAML (`25%`, `threshold=0.01`) become numbers or `{threshold: t}`, and a
+    `{threshold: t}` is checked; everything else is left to pydantic."""
     if not isinstance(value, list):
         return value
     parsed = []
     for budget in value:
-        if isinstance(budget, str):
-            try:
-                budget = budget_from_text(budget)
-            except KvbenchError as exc:
-                raise ValueError(str(exc)) from None
+        try:
+            if isinstance(budget, str):
+                budget = budget_description(budget_from_text(budget))
+            elif isinstance(budget, dict):
+                budget = budget_description(threshold_from(budget))
+        except KvbenchError as exc:
+            raise ValueError(str(exc)) from None
         parsed.append(budget)
     return parsed
 
 
-def _check_budgets(budgets: list[int | float]) -> None:
+def _check_budgets(budgets: list[BudgetSpec]) -> None:
     for budget in budgets:
-        _checked(check_budget, budget)
+        if not isinstance(budget, dict):  # a threshold was checked as it was parsed
+            _checked(check_budget, budget)
 
 
 def _checked(check, value: Any) -> None:

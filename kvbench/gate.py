@@ -23,6 +23,7 @@ from xml.etree import ElementTree
 
 import numpy as np
 
+from kvbench.budgets import budget_suffix
 from kvbench.errors import KvbenchError
 from kvbench.results import RunFolder, now
 from kvbench.summary import bootstrap_ci
@@ -110,8 +111,8 @@ def _policy_label(cell: dict[str, Any]) -> str:
 
 
 def _label(cell: dict[str, Any]) -> str:
-    budget = "" if cell["budget"] is None else f" b={cell['budget']}"
-    return f"{cell['task']['name']} L={cell['context_length']} {cell['question']} {_policy_label(cell)}{budget}"
+    return (f"{cell['task']['name']} L={cell['context_length']} {cell['question']} {_policy_label(cell)}"
+            f"{budget_suffix(cell['budget'])}")
 
 
 @functools.lru_cache(maxsize=256)

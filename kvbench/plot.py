@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pandas as pd
 
+from kvbench.budgets import budget_order, budget_suffix, budget_text
 from kvbench.errors import KvbenchError
 from kvbench.results import MANIFEST, RunFolder
 from kvbench.summary import model_facets, param_text, summarize, task_key, task_labels
@@ -84,14 +85,9 @@ def x_axis(x: str) -> XAxis:
 
 
 def _series_label(row: pd.Series) -> str:
-    return f"{row['policy']} ({row['params']})" if row["params"] else row["policy"]
-
-
-def _budget_key(budget: str) -> tuple[int, float]:
-    if budget == "-":
-        return (0, 0.0)
-    value = float(budget)
-    return (1, value) if "." in budget else (2, value)
+    label = f"{row['policy']} ({row['params']})" if row["params"] else row["policy"]
+    # threshold cells are a curve of their own: their x is what each threshold achieved, not a budget asked for
+    return f"{label} [threshold]" if pd.notna(row.get("threshold", np.nan)) else label
 
 
 def figures(run: str | Path, style: str = "default", log_x: bool = False, x: str = "stored") -> dict[str, Any]:
@@ -242,6 +238,17 @@ def _panels(plt, count: int, style: str, rows: int = 1):
     return figure, axes.ravel()
 
 
+def _threshold_spread(axis, curve: pd.DataFrame, colour: str) -> None:
+    """A threshold curve's points sit at their mean achieved cache ratio: a bar spans the samples' range of it, and
+    each point names its threshold."""
+    xs = curve["cache_ratio"].to_numpy(dtype=float)
+    spread = [xs - curve["cache_ratio_min"].to_numpy(dtype=float), curve["cache_ratio_max"].to_numpy(dtype=float) - xs]
+    axis.errorbar(xs, curve["score"], xerr=spread, fmt="none", ecolor=colour, elinewidth=0.8, capsize=2)
+    for x, y, threshold in zip(xs, curve["score"], curve["threshold"], strict=True):
+        axis.annotate(f"t={threshold:g}", (x, y), textcoords="offset points", xytext=(2, 3), fontsize="xx-small",
+                      color=colour)
+
+
 def _failed_note(axis, rows: pd.DataFrame, series: Callable[[pd.Series], str] = _series_label) -> None:
     """Cells without a score (oom, error, not run) leave a gap; say which, in the panel."""
     missing = rows[rows["score"].isna()]
@@ -277,6 +284,8 @@ def _score_curves(plt, rows: pd.DataFrame, x: str, xlabel: str, style: str, log_
             xs = curve[x].to_numpy(dtype=float) * scale
             axis.plot(xs, curve["score"], marker=marker, linestyle=line, color=colour, label=label)
             axis.fill_between(xs, curve["score_ci_low"], curve["score_ci_high"], color=colour, alpha=0.15)
+            if x == "cache_ratio" and curve["threshold"].notna().all():
+                _threshold_spread(axis, curve, colour)
         _failed_note(axis, panel, series)
         axis.set(title=f"{panel['task'].iloc[0]}, {length} tokens", xlabel=xlabel,
                  **(_score_axis(panel) if ylabel is None else {"ylabel": ylabel}))
@@ -295,13 +304,13 @@ def _needle_heatmaps(plt, records: list[dict[str, Any]], style: str):
     frame = pd.DataFrame({
         "policy": [_series_label(pd.Series({"policy": r["cell"]["policy"]["name"], "params": ", ".join(
             f"{k}={param_text(v)}" for k, v in r["cell"]["policy"]["params"].items())})) for r in records],
-        "budget": ["-" if r["cell"]["budget"] is None else str(r["cell"]["budget"]) for r in records],
+        "budget": [budget_text(r["cell"]["budget"]) for r in records],
         "depth": [r["meta"]["depth"] for r in records],
         "length": [r["cell"]["context_length"] for r in records],
         "score": [r["scores"]["score"] for r in records],
     })
     policies = sorted(frame["policy"].unique(), key=lambda p: (p != "full", p))
-    budgets = sorted(frame["budget"].unique(), key=_budget_key)
+    budgets = sorted(frame["budget"].unique(), key=budget_order)
     budgets = [b for b in budgets if b != "-"] or ["-"]
     depths, lengths = sorted(frame["depth"].unique()), sorted(frame["length"].unique())
     width, height = PANEL_SIZE[style]
@@ -326,8 +335,8 @@ def _needle_heatmaps(plt, records: list[dict[str, Any]], style: str):
                     axis.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize="x-small")
             axis.set_xticks(range(len(lengths)), [str(v) for v in lengths], fontsize="x-small")
             axis.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize="x-small")
-            budget_text = "" if wanted == "-" else f"b={budget}, "
-            axis.set_title(f"{budget_text}mean {np.nanmean(values):.2f}", fontsize="small")
+            heading = "" if wanted == "-" else f"b={budget}, "
+            axis.set_title(f"{heading}mean {np.nanmean(values):.2f}", fontsize="small")
             if not labelled:  # the row's first panel (a policy with its own budgets may skip columns)
                 axis.set_ylabel(f"{policy}\ndepth", fontsize="small")
                 labelled = True
@@ -354,8 +363,8 @@ def _nll_curves(plt, records: list[dict[str, Any]], style: str, key: str = "nll_
         series: dict[tuple[str, str], list[list[float]]] = {}
         for r in records:
             if r["cell"]["context_length"] == length:
-                budget = "" if r["cell"]["budget"] is None else f" b={r['cell']['budget']}"
-                series.setdefault((r["cell"]["policy"]["name"], budget), []).append(r[key])
+                label = (r["cell"]["policy"]["name"], budget_suffix(r["cell"]["budget"]))
+                series.setdefault(label, []).append(r[key])
         for (policy, budget), curves in sorted(series.items(), key=lambda item: (item[0][0] != "full", item[0])):
             width = min(len(c) for c in curves)
             mean = np.mean([c[:width] for c in curves], axis=0)
@@ -373,8 +382,8 @@ def _recall_by_layer(plt, records: list[dict[str, Any]], style: str):
     rows: dict[str, list[list[float]]] = {}
     for r in records:
         if r.get("attn_recall_by_layer"):
-            budget = "" if r["cell"]["budget"] is None else f" b={r['cell']['budget']}"
-            rows.setdefault(f"{r['cell']['policy']['name']}{budget}", []).append(r["attn_recall_by_layer"])
+            rows.setdefault(f"{r['cell']['policy']['name']}{budget_suffix(r['cell']['budget'])}", []).append(
+                r["attn_recall_by_layer"])
     labels = sorted(rows, key=lambda label: (not label.startswith("full"), label))
     table = np.array([np.mean(rows[label], axis=0) for label in labels])
     width, height = PANEL_SIZE[style]
@@ -403,7 +412,7 @@ def _memory(plt, frame: pd.DataFrame, style: str):
 
 
 def _speed(plt, frame: pd.DataFrame, style: str):
-    budgets = sorted(frame["budget"].unique(), key=_budget_key)
+    budgets = sorted(frame["budget"].unique(), key=budget_order)
     figure, axes = _panels(plt, 2, style)
     for axis, column, label in ((axes[0], "decode_tok_s", "decode tokens/s"), (axes[1], "ttft_s", "time to first "
                                                                                                   "token (s)")):

@@ -8,6 +8,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+from kvbench.budgets import budget_description
 from kvbench.models import LoadedModel
 from kvbench.policies.base import Policy, takes_budget
 from kvbench.session import Generation, RunSettings, SharedPrefill
@@ -63,7 +64,7 @@ def record(lm: LoadedModel, task: Task, policy: Policy, sample: Sample, settings
         "task": task.describe(),
         "policy": policy.describe(),
         "family": policy.kind,
-        "budget": settings.budget if takes_budget(policy) else None,
+        "budget": budget_description(settings.budget) if takes_budget(policy) else None,
         "context_length": context_length,
         "sample_id": sample.id,
         "prefill": settings.prefill,

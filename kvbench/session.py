@@ -32,6 +32,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
+from kvbench.budgets import Threshold
 from kvbench.cache import CacheStats, KVCache, Phase
 from kvbench.errors import KvbenchError
 from kvbench.measure import PeakMemory, Stopwatch
@@ -42,7 +43,8 @@ from kvbench.rows import RowAccounts
 
 @dataclass(frozen=True)
 class RunSettings:
-    budget: int | float | None = None  # tokens per layer and KV head, or a ratio of the prompt (< 1)
+    # tokens per layer and KV head, a ratio of the prompt (< 1), or a threshold on the policy's normalised score
+    budget: int | float | Threshold | None = None
     prefill: Literal["full", "chunked"] = "full"
     prefill_chunk: int = 512
     question: Literal["aware", "agnostic"] = "aware"
@@ -63,8 +65,8 @@ class RunSettings:
         check_budget(self.budget)
 
 
-def check_budget(budget: int | float | None) -> None:
-    if budget is None:
+def check_budget(budget: int | float | Threshold | None) -> None:
+    if budget is None or isinstance(budget, Threshold):  # a Threshold checks itself
         return
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
         raise KvbenchError(f"budget must be a positive token count or a ratio in (0, 1), got {budget!r}")
@@ -72,10 +74,13 @@ def check_budget(budget: int | float | None) -> None:
         raise KvbenchError(f"budget {budget} is neither a token count nor a ratio in (0, 1]")
 
 
-def resolve_budget(budget: int | float | None, prompt_tokens: int) -> int | None:
-    """Tokens per layer and KV head: a ratio (<= 1.0 as a float) is taken of the prompt length."""
+def resolve_budget(budget: int | float | Threshold | None, prompt_tokens: int) -> int | None:
+    """Tokens per layer and KV head: a ratio (<= 1.0 as a float) is taken of the prompt length; a threshold keeps
+    at most the whole prompt (what it keeps is each head's own count, `KVCache.threshold`)."""
     if budget is None:
         return None
+    if isinstance(budget, Threshold):
+        return prompt_tokens
     if isinstance(budget, float) and budget <= 1.0:
         return max(1, round(budget * prompt_tokens))
     return int(budget)
@@ -156,7 +161,8 @@ class Session:
                              evict_every=settings.evict_every, headroom=max(headrooms), growth=max(growths),
                              observers=observers, limit_bytes=settings.kv_limit_bytes, prompt_tokens=prompts[0],
                              left_padding=left_padding if padded else None, model=lm.internals,
-                             kinds=lm.layer_kinds, rows=accounts)
+                             kinds=lm.layer_kinds, rows=accounts,
+                             threshold=None if self.budget is None else threshold_of(settings))
         self.logits: torch.Tensor | None = None  # [rows, vocab]: the prediction of the next token
         self.pending: list[int] = []  # a generated token not fed yet: it goes in front of what comes next
         self.shared: SharedPrefill | None = None
@@ -210,8 +216,18 @@ class Session:
             "budget_tokens": self.budget,
             "budget_scope": scope,
             **cache_measurements(self.cache, self.memory, self.earlier, shared=self.shared, stats=stats, row=row),
+            **self._threshold_measurements(),
             **self.policy.report(),
         }
+
+    def _threshold_measurements(self) -> dict[str, Any]:
+        """A threshold cell's record: its threshold and what it achieved in each layer (`cache_ratio` is the
+        whole cache's). Its rows run alone (`sweep._alone`), so the cache is the sample's."""
+        threshold = self.cache.threshold
+        if threshold is None:
+            return {}
+        assert self.rows == 1, "a threshold keeps each sample's own count: its samples run one at a time"
+        return {"threshold": threshold.value, "layer_ratios": self.cache.layer_ratios()}
 
     def row_logits(self, row: int) -> torch.Tensor:
         """`[vocab]`: the logits that chose the last token of `row`'s answer."""
@@ -379,7 +395,7 @@ class Session:
     def _compress_shared(self, shared: SharedPrefill, ids: torch.Tensor, clock: Stopwatch) -> float:
         """Compress `shared`'s prompt into this session's cache, or copy the result of a cell that compressed it the
         same way; returns the compression seconds a copy did not spend (charged as if it had)."""
-        wanted = compression_key(self.policy, self.budget)
+        wanted = compression_key(self.policy, self.budget, self.cache.threshold)
         shared.wanted[wanted] -= 1
         sizing = [self.cache.headroom, self.cache.growth] if self.cache.rows is None else \
             [self.cache.rows.headroom.tolist(), self.cache.rows.growth.tolist()]
@@ -463,6 +479,11 @@ class Session:
                                for fed, pad in zip(self.row_tokens_fed, self.cache.row_padding, strict=True)]
 
 
+def threshold_of(settings: RunSettings) -> Threshold | None:
+    """The settings' budget when it is a threshold."""
+    return settings.budget if isinstance(settings.budget, Threshold) else None
+
+
 def _per_row(value: int | Sequence[int], rows: int) -> list[int]:
     """One value for each of `rows` rows: given per row, or one for all."""
     if isinstance(value, int):
@@ -482,6 +503,8 @@ def policy_budget(policy: Policy, settings: RunSettings, prompt_tokens: int, chu
     budget = None if not takes_budget(policy) else resolve_budget(settings.budget, prompt_tokens)
     if takes_budget(policy) and budget is None:
         raise KvbenchError(f"policy '{policy.name}' needs a budget")
+    if budget is not None and isinstance(settings.budget, Threshold):
+        policy.check_threshold()
     if budget is not None:
         policy.check_budget(budget)
     policy.check_settings(chunked=chunked)
@@ -565,9 +588,10 @@ def _own_peak(peak: int | None, started: PeakMemory, before: PeakMemory, name: s
     return getattr(before, baseline) + peak - getattr(started, baseline)
 
 
-def compression_key(policy: Policy, budget: int | None) -> str:
+def compression_key(policy: Policy, budget: int | None, threshold: Threshold | None = None) -> str:
     """What a shared prompt's compression depends on besides the prompt: cells with one key compress it alike."""
-    return json.dumps([policy.describe(), budget], sort_keys=True, default=str)
+    return json.dumps([policy.describe(), budget, *([threshold.describe()] if threshold else [])], sort_keys=True,
+                      default=str)
 
 
 # --- what most tasks need: one prompt, one answer ------------------------------------------------
@@ -705,7 +729,8 @@ def wanted_compressions(users: Sequence[tuple[Policy, RunSettings]], prompt_toke
     wanted: Counter[str] = Counter()
     for policy, setting in users:
         with contextlib.suppress(KvbenchError):  # a cell that cannot run this budget fails on its own
-            wanted[compression_key(policy, policy_budget(policy, setting, prompt_tokens, chunked=False))] += 1
+            wanted[compression_key(policy, policy_budget(policy, setting, prompt_tokens, chunked=False),
+                                   threshold_of(setting))] += 1
     return wanted
 
 

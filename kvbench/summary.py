@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kvbench.budgets import budget_order, budget_text, threshold_from
 from kvbench.estimate import human_bytes
 from kvbench.results import RunFolder
 
@@ -158,9 +159,11 @@ def _row(cell_id: str, records: list[dict[str, Any]], status: dict[str, Any] | N
         # eviction, compression, hybrid (eviction with a storage) or none (full)
         "family": records[0].get("family", "") if records else "",
         "params": ", ".join(f"{k}={param_text(v)}" for k, v in cell["policy"]["params"].items()),
-        "budget": "-" if budget is None else str(budget),
+        "budget": budget_text(budget),
+        # a threshold cell's threshold (NaN for other budgets): its cache_ratio is what the threshold achieved
+        "threshold": threshold.value if (threshold := threshold_from(budget)) else float("nan"),
         "memory": _memory_label(cell.get("memory")),
-        "budget_order": (0, 0.0) if budget is None else ((1, budget) if isinstance(budget, float) else (2, budget)),
+        "budget_order": budget_order(budget_text(budget)),
         "status": status["status"] if status else "partial",
         # perplexity: lower is better; every other task's score: a fraction where higher is better
         "higher_is_better": records[0].get("higher_is_better", True) if records else True,
@@ -177,6 +180,9 @@ def _row(cell_id: str, records: list[dict[str, Any]], status: dict[str, Any] | N
     for measure in MEASURES:
         present = [r[measure] for r in records if r.get(measure) is not None]
         row[measure] = float(np.mean(present)) if present else float("nan")
+    # the spread of the kept share over the samples: a threshold keeps each sample's own (figures draw it)
+    ratios = [r["cache_ratio"] for r in records if r.get("cache_ratio") is not None]
+    row["cache_ratio_min"], row["cache_ratio_max"] = (min(ratios), max(ratios)) if ratios else (np.nan, np.nan)
     row["_lengths"] = {r["sample_id"]: r["generated_tokens"] for r in records if r.get("generated_tokens")}
     for measure in FIDELITY:
         present = np.array([r[measure] for r in records if r.get(measure) is not None], dtype=float)
@@ -278,7 +284,7 @@ def _markdown_tables(frame: pd.DataFrame, heading: str) -> list[str]:
             lines.append(
                 f"| {r['policy']} | {r['params']} | {r['budget']} |" + (f" {r['memory']} |" if pressure else "")
                 + f" {r['n']} | {score} | {delta} | "
-                f"{_num(r['cache_ratio'], '.3f')} | {_num(r['read_ratio'], '.3f')} | "
+                f"{_cache_ratio_text(r)} | {_num(r['read_ratio'], '.3f')} | "
                 f"{_num(r['kv_bytes_peak'] / 2**20, '.1f')} | "
                 f"{_num(r['ttft_s'], '.2f')} | {_num(r['tpot_s'] * 1000, '.0f')} |"
                 + (f" {_num(r['batch_size'], '.0f')} |" if batched else "") + f" {r['status']} |")
@@ -287,6 +293,13 @@ def _markdown_tables(frame: pd.DataFrame, heading: str) -> list[str]:
                           "different batch sizes do not compare."]
         lines.append("")
     return lines
+
+
+def _cache_ratio_text(row: pd.Series) -> str:
+    """The mean cache ratio; a threshold cell's with its range over the samples (each keeps its own share)."""
+    if pd.isna(row["threshold"]) or pd.isna(row["cache_ratio"]):
+        return _num(row["cache_ratio"], ".3f")
+    return f"{row['cache_ratio']:.3f} ({row['cache_ratio_min']:.3f}-{row['cache_ratio_max']:.3f})"
 
 
 def _num(value: float, spec: str) -> str:

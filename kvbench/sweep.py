@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kvbench.budgets import budget_suffix, budget_value, threshold_from
 from kvbench.config import SweepConfig
 from kvbench.errors import KvbenchError
 from kvbench.estimate import Shape, parse_bytes
@@ -65,16 +66,17 @@ class Cell:
 
     def settings(self, kv_limit_bytes: int | None = None) -> RunSettings:
         d = self.description
-        return RunSettings(budget=d["budget"], prefill=d["prefill"]["mode"], prefill_chunk=d["prefill"]["chunk"] or 1,
-                           question=d["question"], evict_every=d["evict_every"], max_new_tokens=d["max_new_tokens"],
+        return RunSettings(budget=budget_value(d["budget"]), prefill=d["prefill"]["mode"],
+                           prefill_chunk=d["prefill"]["chunk"] or 1, question=d["question"],
+                           evict_every=d["evict_every"], max_new_tokens=d["max_new_tokens"],
                            kv_limit_bytes=kv_limit_bytes, fidelity="fidelity" in d.get("diagnostics", ()))
 
     @property
     def label(self) -> str:
         d = self.description
         params = ",".join(f"{k}={v}" for k, v in d["policy"]["params"].items())
-        budget = "" if d["budget"] is None else f" b={d['budget']}"
-        return f"{d['policy']['name']}{f'({params})' if params else ''}{budget} L={d['context_length']}"
+        policy = f"{d['policy']['name']}{f'({params})' if params else ''}"
+        return f"{policy}{budget_suffix(d['budget'])} L={d['context_length']}"
 
 
 def expand(config: SweepConfig) -> list[Cell]:
@@ -498,6 +500,8 @@ def _alone(cell: Cell) -> str | None:
         return "memory-pressure cells run each sample alone under their memory condition"
     if "fidelity" in d.get("diagnostics", ()):
         return "fidelity diagnostics follow each sample's full cache alone"
+    if threshold_from(d["budget"]) is not None:
+        return "threshold budgets keep each sample's own count, so run each sample alone"
     return None
 
 

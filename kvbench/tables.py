@@ -8,6 +8,7 @@ from typing import Any
 import pandas as pd
 from rich.table import Table
 
+from kvbench.budgets import budget_text
 from kvbench.estimate import human_bytes
 
 
@@ -16,7 +17,7 @@ def summary_table(records: list[dict[str, Any]], model: dict[str, Any]) -> Table
     from kvbench.summary import param_text
 
     frame = pd.json_normalize(records)
-    frame["budget"] = [("-" if r["budget"] is None else str(r["budget"])) for r in records]
+    frame["budget"] = [budget_text(r["budget"]) for r in records]
     frame["label"] = [r["policy"]["name"] + (f"+{param_text(r['policy']['storage'])}" if "storage" in r["policy"]
                                              else "") for r in records]
     groups = frame.groupby(["context_length", "label", "budget"], sort=False)

@@ -19,6 +19,7 @@ import torch
 import transformers
 import yaml
 
+from kvbench.budgets import Threshold
 from kvbench.check import kept_channels, kept_masks
 from kvbench.models import load_model
 from kvbench.policies.base import build_spec
@@ -47,7 +48,7 @@ def agreement(ours: torch.Tensor, theirs: torch.Tensor, kind: str) -> torch.Tens
     return common / (ours | theirs).sum(-1).clamp_min(1)
 
 
-def kvbench_masks(lm, spec: dict, prompt: list[int], budget: int, kind: str) -> list[torch.Tensor]:
+def kvbench_masks(lm, spec: dict, prompt: list[int], budget: int | Threshold, kind: str) -> list[torch.Tensor]:
     """Per layer, the `[kv_heads, prompt]` positions kvbench holds, or its `[kv_heads, head_dim]` key channels."""
     policy = build_spec(spec)
     session = Session(lm, policy, RunSettings(budget=budget if policy.phases else None), prompt_tokens=len(prompt))
@@ -68,8 +69,12 @@ def compare(work: Path, config: dict) -> list[Agreement]:
             if window is not None:  # the same pattern file, at the budget its window keeps
                 spec = {**spec, "pattern": str(pattern_folder(work, case, name))}
             for prompt, their_masks in zip(prompts[name], theirs[name][case["name"]], strict=True):
-                budget = kept_per_head(config, len(prompt)) if window is None else \
-                    window["sink_size"] + window["recent_size"]
+                if "threshold" in case:
+                    budget: int | Threshold = Threshold(case["threshold"])
+                elif window is not None:
+                    budget = window["sink_size"] + window["recent_size"]
+                else:
+                    budget = kept_per_head(config, len(prompt))
                 our_masks = kvbench_masks(lm, spec, prompt, budget, case["agreement"])
                 for ours, other in zip(our_masks, their_masks, strict=True):
                     scores.append(agreement(ours, other, case["agreement"]))

@@ -125,7 +125,7 @@ def main(work: Path, cases: list[str] | None = None) -> None:
                 press = build_press(case["kvpress"])
                 if "pattern" in case:  # the press decides its own counts from its pattern
                     press.load_attention_pattern = local_pattern(pattern_folder(work, case, name))
-                else:
+                elif "threshold" not in case:  # a threshold press (DMSPress) keeps what its threshold decides
                     set_compression_ratio(press, compression_ratio(press, kept_per_head(config, n), n, slots))
                 for layer in model.model.layers:
                     layer.self_attn.masked_key_indices = None

@@ -4,6 +4,10 @@ A policy never touches storage. The cache calls `observe()` after each attention
 policy `needs_attention`) and, when it must evict, `score()`: the entries with the highest scores
 are kept, `budget` of them per KV head. Entries a policy must never evict get `+inf`.
 
+A policy whose scores can be read on a scale that means the same for every prompt says so in `threshold_scale`
+and returns them from `threshold_score`: it then takes a threshold budget (`{threshold: 0.01}`, kvbench/budgets.py),
+which keeps every entry that reaches it, any count per head.
+
 A compression policy (quant, mixed_precision, lowrank) returns a storage `layout()` instead; any eviction
 policy takes one with `storage:` (`{name: h2o, storage: {quant: {bits: 4}}}`): fewer tokens, fewer bits.
 
@@ -67,6 +71,8 @@ class Policy:
     # how it saves memory: drops entries (eviction), keeps every token in fewer bytes or entries (compression);
     # or how it saves reads: keeps every entry, each decode step reads a budget's worth of them (sparse)
     family: ClassVar[str] = "eviction"
+    # what `threshold_score` measures, in words (the docs' table); None: the policy takes no threshold budget
+    threshold_scale: ClassVar[str | None] = None
     # the kept entries stored compressed: a storage policy's name, or {name: {params}}
     storage: str | dict[str, Any] | None = dataclasses.field(default=None, kw_only=True)
 
@@ -97,6 +103,20 @@ class Policy:
     def score(self, layer: LayerKV, budget: int) -> torch.Tensor:
         """`[batch, kv_heads, length]` scores of the live slots; the top `budget` per head are kept."""
         raise NotImplementedError
+
+    @hook("active")
+    def threshold_score(self, layer: LayerKV) -> torch.Tensor:
+        """`[batch, kv_heads, length]` scores on the `threshold_scale` scale (protected entries `+inf`): a threshold
+        budget keeps those that reach it. By default `score()` with no budget to fit, for a policy whose scores
+        already are on such a scale; a policy whose scores are not normalises them here."""
+        return self.score(layer, layer.length)
+
+    def check_threshold(self) -> None:
+        """Raise KvbenchError when this policy cannot take a threshold budget."""
+        if self.threshold_scale is None:
+            takers = ", ".join(name for name in POLICIES.names() if POLICIES.get(name).threshold_scale)
+            raise KvbenchError(f"policy '{self.name}' takes no threshold budget: its scores have no normalised "
+                               f"scale (policies that do: {takers})")
 
     @hook("active")
     def select(self, layer: LayerKV, budget: int) -> torch.Tensor | None:
@@ -376,6 +396,17 @@ def recent_mask(layer: LayerKV, count: int) -> torch.Tensor:
 
 def protect(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return scores.masked_fill(mask, float("inf"))
+
+
+def shares(weights: torch.Tensor, layer: LayerKV) -> torch.Tensor:
+    """Each entry's share of its head's total `weights` (non-negative), as an attention weight is: a threshold on
+    it means the same whatever the weights' scale. Protected (+inf) entries stay +inf and count for nothing, as
+    padding slots do."""
+    held = torch.isfinite(weights)
+    if layer.padding() is not None:
+        held &= ~layer.padding()
+    total = torch.where(held, weights, 0.0).sum(dim=-1, keepdim=True)
+    return torch.where(held, weights / total.clamp(min=torch.finfo(weights.dtype).tiny), weights)
 
 
 def positive(name: str, **values: float) -> None:

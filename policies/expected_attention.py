@@ -8,7 +8,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from kvbench.attention import queries_per_chunk
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Policy, protect, register
+from kvbench.policies.base import Policy, protect, register, shares
 from kvbench.rows import rows_of
 
 
@@ -44,6 +44,7 @@ class ExpectedAttention(Policy):
     """
 
     name = "expected_attention"
+    threshold_scale = "share of the head's expected attention (times ||v|| with use_vnorm), sinks protected"
     phases = ("prefill",)
     needs_attention = True
     n_future_positions: int = 512
@@ -104,6 +105,10 @@ class ExpectedAttention(Policy):
         if self.use_vnorm:
             scores = (scores + self.epsilon) * layer.live_values().float().norm(dim=-1)
         return protect(scores, layer.live_positions() < self.n_sink)
+
+    def threshold_score(self, layer) -> torch.Tensor:
+        # the expected attention sums to one over the entries, but use_vnorm scales it by the values' norms
+        return shares(self.score(layer, layer.length), layer)
 
     def _moments(self, moments: QueryMoments, prefill: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's query mean `[B, H, D]` and covariance `[B, H, D, D]`: the prompt's, or while decoding its ring's

@@ -15,6 +15,7 @@ class H2O(Policy):
     """H2O (Zhang et al. 2023): heavy hitters by accumulated attention plus a recent window."""
 
     name = "h2o"
+    threshold_scale = "mean attention weight received per query since the entry arrived (no recent window)"
     needs_attention = True
     recent_ratio: float = 0.5  # share of the budget kept for the most recent tokens
 
@@ -31,3 +32,9 @@ class H2O(Policy):
     def score(self, layer, budget: int) -> torch.Tensor:
         recent = round(budget * self.recent_ratio)
         return protect(layer.slot_stat(self.state_key), recent_mask(layer, recent))
+
+    def threshold_score(self, layer) -> torch.Tensor:
+        # the running sum grows with every query: divided by the queries that saw the entry, an older entry and a
+        # newer one compare on one scale. The recent window is a share of a token budget, which a threshold has not
+        queries = (layer.next_position() - layer.live_positions()).clamp(min=1)
+        return layer.slot_stat(self.state_key) / queries

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvbench.policies.base import PromptScorer, register
+from kvbench.policies.base import PromptScorer, register, shares
 
 
 @register
@@ -19,6 +19,7 @@ class KeyDiff(PromptScorer):
     """
 
     name = "keydiff"
+    threshold_scale = "share of the head's key dissimilarity (1 - cosine to the mean key, over its sum)"
 
     def score(self, layer, budget: int) -> torch.Tensor:
         keys = layer.live_keys().float()
@@ -27,3 +28,8 @@ class KeyDiff(PromptScorer):
             unit = unit.masked_fill(layer.padding()[..., None], 0.0)
         anchor = unit.mean(dim=2, keepdim=True)  # its scale does not change a cosine
         return -F.cosine_similarity(keys, anchor, dim=-1)
+
+    def threshold_score(self, layer) -> torch.Tensor:
+        # a cosine is in [-1, 1] on every prompt, but how many keys near the mean depends on the prompt: a share of
+        # the head's total dissimilarity reads as an attention weight does
+        return shares(1 + self.score(layer, layer.length), layer)

@@ -23,6 +23,7 @@ class SnapKV(Policy):
     """
 
     name = "snapkv"
+    threshold_scale = "mean attention weight of the window's queries, pooled (kvpress DMSPress over SnapKVPress)"
     phases = ("prefill",)
     needs_attention = True
     window: int = 32

@@ -14,6 +14,7 @@ class TOVA(Policy):
     """TOVA (Oren et al. 2024): evict the entry the newest query attends to least, averaged over the layer's heads."""
 
     name = "tova"
+    threshold_scale = "the newest query's attention weight (averaged over the layer's heads, or the KV head's)"
     needs_attention = True
     per_head: bool = False  # one choice per KV head (its query heads averaged) instead of one per layer
 

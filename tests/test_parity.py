@@ -24,10 +24,21 @@ def test_every_case_builds_and_states_its_tolerance_and_reason():
         # a case with a pattern reads the one parity.prepare writes; any pattern builds it here
         pattern = {"pattern": NEEDED_PARAMS["duoattention"]["pattern"]} if "pattern" in case else {}
         policy = build_spec({**case["kvbench"], **pattern})
-        assert "+".join([policy.name, *(policy.storage or {})]) == case["name"]  # a storage after a +
+        # a storage after a +; a threshold case is named for kvpress's threshold press around the policy (dms_snapkv)
+        assert "+".join([policy.name, *(policy.storage or {})]) == case["name"].removeprefix("dms_")
         assert set(case.get("pattern", {})) <= {"sink_size", "recent_size"}
         assert case["agreement"] in ("jaccard", "nested", "channels") and case["kvpress"]["class"].endswith("Press")
         assert 0 < case["min_worst"] <= case["min_mean"] <= 1 and case["reason"]
+
+
+def test_a_threshold_case_protects_the_window_kvpress_protects():
+    """DMSPress keeps its last `sliding_window_size` tokens whatever their scores: the kvbench side must protect
+    as many (SnapKV's observation window), or the two would differ by design."""
+    cases = [case for case in CONFIG["cases"] if "threshold" in case]
+    assert cases
+    for case in cases:
+        assert case["kvpress"]["class"] == "DMSPress" and case["kvpress"]["threshold"] == case["threshold"]
+        assert case["kvpress"]["sliding_window_size"] == build_spec(case["kvbench"]).window
 
 
 def test_agreement_is_jaccard_or_the_overlap_of_the_smaller_set():

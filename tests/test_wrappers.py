@@ -17,7 +17,8 @@ from tests.helpers import run_session
 
 # Policy's public members that are not hooks: what a policy *is* (name, parameters, storage, statistic names),
 # not what the cache asks of it while running. A new member must be added here or be a @hook.
-NOT_HOOKS = {"budget_scope", "describe", "evicts_during_decode", "kind", "layout", "params", "state_key"}
+NOT_HOOKS = {"budget_scope", "describe", "evicts_during_decode", "kind", "layout", "params", "state_key",
+             "check_threshold"}
 ANSWERS = {"report": {}, "observers": [], "state_keys": [], "layer_budgets": [1], "active": True, "batch_limits": []}
 
 
@@ -61,9 +62,10 @@ for _name in hooks():
 def call_hook(policy: Policy, name: str, cache) -> None:
     layer = SimpleNamespace(owner=cache)
     arguments = {"observe": (layer, None, None, 1.0, cache.phase), "score": (layer, 8), "select": (layer, 8),
-                 "fold": (layer, None), "read_mask": (layer, None, 8), "layer_budgets": (8, 2), "active": (cache,),
-                 "report": (), "check_settings": (False,), "check_budget": (8,), "observers": (), "state_keys": (),
-                 "batch_limits": (), "after_prompt": (SimpleNamespace(cache=cache), None), "prepare": (None,)}
+                 "threshold_score": (layer,), "fold": (layer, None), "read_mask": (layer, None, 8),
+                 "layer_budgets": (8, 2), "active": (cache,), "report": (), "check_settings": (False,),
+                 "check_budget": (8,), "observers": (), "state_keys": (), "batch_limits": (),
+                 "after_prompt": (SimpleNamespace(cache=cache), None), "prepare": (None,)}
     getattr(policy, name)(*arguments[name])
 
 

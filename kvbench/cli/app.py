@@ -116,12 +116,17 @@ def parse_assignments(items: list[str], option: str) -> dict[str, Any]:
     return out
 
 
-def parse_budget(text: str) -> int | float:
-    """`128` (tokens per layer and KV head), `0.25` or `25%` (a ratio of the prompt); warns, on one line, of a small
-    integer that reads like a ratio."""
+def parse_budget(text: str, command: str | None = None) -> Any:
+    """`128` (tokens per layer and KV head), `0.25` or `25%` (a ratio of the prompt), or `threshold=0.01` where
+    `command` is None (a `Threshold`: what a prompt keeps, which only running it tells); warns, on one line, of a
+    small integer that reads like a ratio."""
+    from kvbench.budgets import Threshold
     from kvbench.config import budget_from_text, warn_if_ratio_like
 
     value = budget_from_text(text)
+    if isinstance(value, Threshold) and command is not None:
+        raise KvbenchError(f"kvbench {command}: --budget '{text}': a threshold keeps what each prompt's scores "
+                           "decide, unknown before running it; give tokens (128) or a ratio (0.25)")
     warn_if_ratio_like(value)
     return value
 

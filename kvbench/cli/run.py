@@ -28,8 +28,9 @@ def run(
                               "smollm2-135m (embedded) or random:<shape>."),
     policy: list[str] = typer.Option(["full"], "--policy", "-p", help="Policy name; repeat to compare several."),
     param: list[str] = typer.Option([], "--param", help="Policy parameter k=v (or policy.k=v); repeatable."),
-    budget: list[str] = typer.Option(["0.25"], "--budget", "-b", help="Tokens per layer and KV head (128) or "
-                                     "a ratio of the prompt (0.25 or 25%); repeatable."),
+    budget: list[str] = typer.Option(["0.25"], "--budget", "-b", help="Tokens per layer and KV head (128), "
+                                     "a ratio of the prompt (0.25 or 25%) or threshold=0.01 (keep what the policy's "
+                                     "normalised score puts at or above it); repeatable."),
     task: str = typer.Option("niah", "--task", "-t", help="Task name (see `kvbench tasks`)."),
     task_param: list[str] = typer.Option([], "--task-param", help="Task parameter k=v; repeatable."),
     context: list[int] = typer.Option([1024], "--context", "-c", help="Context length in tokens; repeatable."),
@@ -55,6 +56,7 @@ def run(
                                    "row the policies compare with, as a sweep's summary has it."),
 ) -> None:
     """Run policies on a task and compare quality, speed and cache memory."""
+    from kvbench.budgets import Threshold
     from kvbench.policies import build_policy
     from kvbench.policies.base import takes_budget
     from kvbench.registry import load_plugins
@@ -78,6 +80,8 @@ def run(
         for setting in settings:
             if takes_budget(pol) and isinstance(setting.budget, int):
                 pol.check_budget(setting.budget)
+            if takes_budget(pol) and isinstance(setting.budget, Threshold):
+                pol.check_threshold()
     task_params = parse_assignments(task_param, "--task-param")
     if depth:
         task_params["depths"] = depth

@@ -50,8 +50,8 @@ def capacity_command(
         raise KvbenchError("give --memory-limit or --pressure")
     pol = build_policy(policy, parse_assignments(param, "--param"))
     # prefill stays text here: RunSettings checks it and names the allowed values
-    settings = RunSettings(budget=None if budget is None else parse_budget(budget), prefill=cast(Any, prefill),
-                           prefill_chunk=prefill_chunk)
+    settings = RunSettings(budget=None if budget is None else parse_budget(budget, "capacity"),
+                           prefill=cast(Any, prefill), prefill_chunk=prefill_chunk)
     lm = load_model(model, dtype=dtype, device=device)
     search: Literal["batch", "context"] = "batch" if context is not None else "context"
     with stderr.status(f"searching the largest {search} ..."):
@@ -93,7 +93,7 @@ def estimate_command(
 
     shape = model_shape(model)
     limit = None if device_memory is None else parse_bytes(device_memory)
-    rows = estimate(shape, context, batch, dtype, [None, *(parse_budget(b) for b in budget)], limit)
+    rows = estimate(shape, context, batch, dtype, [None, *(parse_budget(b, "estimate") for b in budget)], limit)
     if as_json:
         typer.echo(json.dumps({"model": model, **dataclasses.asdict(shape), "device_memory_bytes": limit,
                                "rows": rows}))
