@@ -119,6 +119,18 @@ class Policy:
         """Whether the cache should evict now (a policy may wait, e.g. until a memory limit is reached)."""
         return True
 
+    @hook("active")
+    def bounded(self, layer: LayerKV) -> bool:
+        """Whether `layer` holds to its budget; False: the policy left it whole (SimLayerKV's layers that are not
+        lazy), so it is neither evicted nor sized to the budget, and grows as a full cache does."""
+        return True
+
+    @hook("first")
+    def eviction_period(self) -> int | None:
+        """Decode tokens between two evictions, when the policy's definition fixes it (R-KV's buffer); None: the
+        run's `evict_every`."""
+        return None
+
     @hook("all")
     def report(self) -> dict[str, Any]:
         """Events a record should carry (e.g. when an adaptive policy switched)."""

@@ -18,7 +18,8 @@ from tests.helpers import run_session
 # Policy's public members that are not hooks: what a policy *is* (name, parameters, storage, statistic names),
 # not what the cache asks of it while running. A new member must be added here or be a @hook.
 NOT_HOOKS = {"budget_scope", "describe", "evicts_during_decode", "kind", "layout", "params", "state_key"}
-ANSWERS = {"report": {}, "observers": [], "state_keys": [], "layer_budgets": [1], "active": True, "batch_limits": []}
+ANSWERS = {"report": {}, "observers": [], "state_keys": [], "layer_budgets": [1], "active": True, "batch_limits": [],
+           "bounded": True}
 
 
 def public_members(cls: type) -> set[str]:
@@ -63,7 +64,8 @@ def call_hook(policy: Policy, name: str, cache) -> None:
     arguments = {"observe": (layer, None, None, 1.0, cache.phase), "score": (layer, 8), "select": (layer, 8),
                  "fold": (layer, None), "layer_budgets": (8, 2), "active": (cache,), "report": (),
                  "check_settings": (False,), "check_budget": (8,), "observers": (), "state_keys": (),
-                 "batch_limits": (), "after_prompt": (SimpleNamespace(cache=cache), None)}
+                 "batch_limits": (), "after_prompt": (SimpleNamespace(cache=cache), None),
+                 "bounded": (layer,), "eviction_period": ()}
     getattr(policy, name)(*arguments[name])
 
 
