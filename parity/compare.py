@@ -62,7 +62,7 @@ def compare(work: Path, config: dict) -> list[Agreement]:
         for case in config["cases"]:
             scores, ours_kept, theirs_kept = [], 0, 0
             for prompt, their_masks in zip(prompts[name], theirs[name][case["name"]], strict=True):
-                our_masks = kvbench_masks(lm, case["kvbench"], prompt, kept_per_head(config, len(prompt)))
+                our_masks = kvbench_masks(lm, case["kvbench"], prompt, kept_per_head(config, len(prompt), case))
                 for ours, other in zip(our_masks, their_masks, strict=True):
                     scores.append(agreement(ours, other, case["agreement"]))
                     ours_kept, theirs_kept = ours_kept + int(ours.sum()), theirs_kept + int(other.sum())

@@ -5,7 +5,8 @@
 For every model, prompt and case of parity/cases.yaml: the prompt through the model under the case's press, then
 per layer a `[kv_heads, prompt]` mask of the positions the compressed cache holds. A kept key is located among the
 keys of the same prompt without a press (an exact match), so nothing depends on a press's layout; a press that
-masks entries instead of dropping them (AdaKV, KVzip) holds every position it does not mask.
+masks entries instead of dropping them (AdaKV, KVzip) holds every position it does not mask. A case with
+`press_counts: true` gives its press no compression ratio: it keeps what its own parameters say (SimLayerKV).
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def main(work: Path, cases: list[str] | None = None) -> None:
             n, slots = len(prompt), model.config.num_hidden_layers * model.config.num_key_value_heads * len(prompt)
             for case in config["cases"]:
                 press = build_press(case["kvpress"])
-                press.compression_ratio = compression_ratio(press, kept_per_head(config, n), n, slots)
+                if not case.get("press_counts"):  # else the press keeps what its own parameters say (SimLayerKV)
+                    press.compression_ratio = compression_ratio(press, kept_per_head(config, n, case), n, slots)
                 for layer in model.model.layers:
                     layer.self_attn.masked_key_indices = None
                 cache = DynamicCache()
