@@ -78,6 +78,18 @@ def test_simlayerkv_keeps_sinks_and_recent_in_lazy_layers_only(sharp_llama, n_la
     assert held == [budget if is_lazy else len(PROMPT) + len(DECODE) for is_lazy in lazy]
 
 
+@pytest.mark.parametrize("n_last", [1, 3])
+def test_simlayerkv_judges_a_layer_by_the_share_the_paper_defines(sharp_llama, n_last):
+    """Each layer's decision reads the reference's share to a hair: a threshold just below it makes the layer
+    lazy, just above it not."""
+    budget = 24
+    for layer, share in enumerate(lazy_shares(sharp_llama, PROMPT, budget, n_last, 4)):
+        for offset, lazy in ((-1e-5, True), (1e-5, False)):
+            policy = build_policy("simlayerkv", {"lazy_threshold": share + offset, "n_last": n_last})
+            cache, _ = run_cache(sharp_llama, policy, PROMPT, [], budget)
+            assert cache.layers[layer].layer_stats[policy.state_key] is lazy, (layer, share, offset)
+
+
 @pytest.mark.parametrize("threshold,prompt,lazy", [(0.0, 96, [True, True]), (1.0, 96, [False, False]),
                                                    (0.0, 48, [False, False])])
 def test_simlayerkv_judges_every_layer_or_none(sharp_llama, threshold, prompt, lazy):
@@ -182,18 +194,20 @@ def test_rkv_redundancy_changes_what_is_kept(sharp_llama):
         assert not all(torch.equal(a, b) for a, b in zip(kept[0.07], kept[other], strict=True))
 
 
-def test_rkv_batch_rows_keep_what_they_keep_alone(sharp_llama):
-    """A left-padded batch: each row's padding is no part of its similarities or attention, and each row
-    compresses every `buffer` tokens of its own, as alone."""
-    short, long, budget = PROMPT[:60], PROMPT[20:96], 30
-    policy = build_policy("rkv", RKV)
-    tokens = DECODE[:6]
-    batched = Session(sharp_llama, policy, RunSettings(budget=budget), [60, 76], growth=6,
-                      left_padding=torch.tensor([16, 0]))
-    batched.prefill(torch.tensor([[0] * 16 + short, long]))
+@pytest.mark.parametrize("chunk", [None, 32])
+def test_rkv_batch_rows_keep_what_they_keep_alone(sharp_llama, chunk):
+    """A left-padded batch: each row's padding is no part of its similarities or attention (a chunked prefill
+    compresses a row while it still holds padding slots), and each row compresses every `buffer` tokens of its
+    own, as alone."""
+    long = random_ids(100, seed=5)
+    short, budget, tokens = long[32:], 30, DECODE[:6]  # padded by a whole chunk: the rows' chunks are their own
+    settings = RunSettings(budget=budget, prefill="chunked" if chunk else "full", prefill_chunk=chunk or 512)
+    batched = Session(sharp_llama, build_policy("rkv", RKV), settings, [68, 100], growth=6,
+                      left_padding=torch.tensor([32, 0]))
+    batched.prefill(torch.tensor([[0] * 32 + short, long]))
     alone = []
     for prompt in (short, long):
-        session = Session(sharp_llama, build_policy("rkv", RKV), RunSettings(budget=budget), len(prompt), growth=6)
+        session = Session(sharp_llama, build_policy("rkv", RKV), settings, len(prompt), growth=6)
         session.prefill(prompt)
         alone.append(session)
     for step in range(len(tokens) + 1):
