@@ -143,7 +143,7 @@ class Session:
         if len(plans) > 1:
             raise ValueError(f"the rows of a batch must share one budget and its layer budgets, got {sorted(plans)}")
         self.budget = plans.pop()[0]
-        evict_every = policy.eviction_period() or settings.evict_every  # R-KV's buffer is its own
+        evict_every = max(policy.eviction_periods(), default=settings.evict_every)  # R-KV's buffer is its own
         headrooms = [max(evict_every, settings.prefill_chunk if settings.prefill == "chunked" else 1, a)
                      for a in arrivals]
         padded = left_padding is not None and int(left_padding.max()) > 0

@@ -125,11 +125,11 @@ class Policy:
         lazy), so it is neither evicted nor sized to the budget, and grows as a full cache does."""
         return True
 
-    @hook("first")
-    def eviction_period(self) -> int | None:
-        """Decode tokens between two evictions, when the policy's definition fixes it (R-KV's buffer); None: the
-        run's `evict_every`."""
-        return None
+    @hook("all")
+    def eviction_periods(self) -> list[int]:
+        """Decode tokens between two evictions that the policy's definition fixes (R-KV's buffer; a wrapper's
+        stages, each its own): the cache evicts every `max` of them, [] for the run's `evict_every`."""
+        return []
 
     @hook("all")
     def report(self) -> dict[str, Any]:

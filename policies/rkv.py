@@ -65,8 +65,8 @@ class RKV(Policy):
         if budget <= self.window:
             raise KvbenchError(f"rkv: budget {budget} must exceed the observation window={self.window}")
 
-    def eviction_period(self) -> int:
-        return self.buffer
+    def eviction_periods(self) -> list[int]:
+        return [self.buffer]
 
     def observe(self, layer, query, key, scaling, phase) -> None:
         held = layer.layer_stats.get(self.state_key)

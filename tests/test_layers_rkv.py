@@ -184,6 +184,13 @@ def test_rkv_keeps_important_unredundant_entries_after_the_prompt_and_every_buff
     assert cache.evictions == 2 * 2 * ((96 - 40) + 2 * 4)  # layers x heads x (the prompt's, two buffers')
 
 
+def test_rkv_keeps_its_buffer_as_a_wrapper_stage(sharp_llama):
+    """SnapKV compresses the prompt, R-KV the generation: every `buffer` tokens, whatever the run's evict_every."""
+    policy = build_policy("compose", {"prefill": {"name": "snapkv", "window": 8}, "decode": {"name": "rkv", **RKV}})
+    _, history = run_cache(sharp_llama, policy, PROMPT, DECODE, 40)
+    assert [int(masks[0].sum(-1).max()) for masks in history] == [40, 41, 42, 43, 40, 41, 42, 43, 40, 41, 42]
+
+
 def test_rkv_redundancy_changes_what_is_kept(sharp_llama):
     """Not SnapKV-like importance alone (mix_lambda 1), nor redundancy alone (0)."""
     kept = {}

@@ -19,7 +19,7 @@ from tests.helpers import run_session
 # not what the cache asks of it while running. A new member must be added here or be a @hook.
 NOT_HOOKS = {"budget_scope", "describe", "evicts_during_decode", "kind", "layout", "params", "state_key"}
 ANSWERS = {"report": {}, "observers": [], "state_keys": [], "layer_budgets": [1], "active": True, "batch_limits": [],
-           "bounded": True}
+           "bounded": True, "eviction_periods": []}
 
 
 def public_members(cls: type) -> set[str]:
@@ -65,7 +65,7 @@ def call_hook(policy: Policy, name: str, cache) -> None:
                  "fold": (layer, None), "layer_budgets": (8, 2), "active": (cache,), "report": (),
                  "check_settings": (False,), "check_budget": (8,), "observers": (), "state_keys": (),
                  "batch_limits": (), "after_prompt": (SimpleNamespace(cache=cache), None),
-                 "bounded": (layer,), "eviction_period": ()}
+                 "bounded": (layer,), "eviction_periods": ()}
     getattr(policy, name)(*arguments[name])
 
 
