@@ -567,7 +567,8 @@ class KVCache(Cache):
         bounded = self.phase is Phase.PREFILL or self.policy.evicts_during_decode
         held = None  # the most entries the layer keeps between forwards, if bounded
         # a threshold bounds nothing ahead: the buffer fits what it kept, growing as a full cache does
-        if self.budget is not None and self.threshold is None and bounded and self.policy.active(self):
+        if self.budget is not None and self.threshold is None and bounded and self.policy.active(self) and \
+                self.policy.bounded(self.layers[layer_idx]):
             held = self.layer_budgets[layer_idx]
         window = self.kinds[layer_idx].window
         if window is not None:
@@ -673,6 +674,8 @@ class KVCache(Cache):
             return
         slack = 1 if self.phase is Phase.PREFILL else self.evict_every
         for layer, budget in zip(self.layers, self.layer_budgets, strict=True):
+            if not self.policy.bounded(layer):  # left whole by the policy (SimLayerKV's layers that are not lazy)
+                continue
             if self.rows is not None:
                 self._compress_rows(layer, budget, slack)
                 continue

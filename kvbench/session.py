@@ -10,8 +10,9 @@
 `step(token)` is one decode step, `score(ids)` the log-probabilities of a continuation teacher-forced through
 the compressed cache, `fork()` an independent copy (one compressed context, many questions). The phase is the
 session's state: `prefill` compresses what it feeds as a prompt and leaves the session in the decode phase,
-where only a decode-time policy evicts (every `evict_every` tokens). A generated token is fed with whatever
-comes next, so a conversation continues exactly where its reply stopped.
+where only a decode-time policy evicts (every `evict_every` tokens, or the period its definition fixes: R-KV's
+buffer). A generated token is fed with whatever comes next, so a conversation continues exactly where its reply
+stopped.
 
 Positions are true token positions (RoPE continues at the number of tokens seen), while the mask is sized by
 the cache's own length (a sliding-window layer's is built from the true positions). A left-padded batch is one
@@ -148,7 +149,8 @@ class Session:
             raise ValueError(f"the rows of a batch must share one budget and its layer budgets, got {sorted(plans)}")
         self.budget = plans.pop()[0]
         policy.prepare(lm)
-        headrooms = [max(settings.evict_every, settings.prefill_chunk if settings.prefill == "chunked" else 1, a)
+        evict_every = max(policy.eviction_periods(), default=settings.evict_every)  # R-KV's buffer is its own
+        headrooms = [max(evict_every, settings.prefill_chunk if settings.prefill == "chunked" else 1, a)
                      for a in arrivals]
         padded = left_padding is not None and int(left_padding.max()) > 0
         # a batch keeps each row's accounts; compressed storage batches only rows that hold alike (`row_stats`)
@@ -158,7 +160,7 @@ class Session:
         sparse = policy.family == "sparse"
         self.cache = KVCache(lm.num_layers, (self.rows, lm.kv_heads, lm.head_dim), policy,
                              None if sparse else self.budget, read_budget=self.budget if sparse else None,
-                             evict_every=settings.evict_every, headroom=max(headrooms), growth=max(growths),
+                             evict_every=evict_every, headroom=max(headrooms), growth=max(growths),
                              observers=observers, limit_bytes=settings.kv_limit_bytes, prompt_tokens=prompts[0],
                              left_padding=left_padding if padded else None, model=lm.internals,
                              kinds=lm.layer_kinds, rows=accounts,

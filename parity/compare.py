@@ -74,7 +74,7 @@ def compare(work: Path, config: dict) -> list[Agreement]:
                 elif window is not None:
                     budget = window["sink_size"] + window["recent_size"]
                 else:
-                    budget = kept_per_head(config, len(prompt))
+                    budget = kept_per_head(config, len(prompt), case)
                 our_masks = kvbench_masks(lm, spec, prompt, budget, case["agreement"])
                 for ours, other in zip(our_masks, their_masks, strict=True):
                     scores.append(agreement(ours, other, case["agreement"]))

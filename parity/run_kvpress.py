@@ -6,7 +6,8 @@ For every model, prompt and case of parity/cases.yaml: the prompt through the mo
 per layer a `[kv_heads, prompt]` mask of the positions the compressed cache holds (for a case of `agreement:
 channels`, a `[kv_heads, head_dim]` mask of the key channels it keeps). A kept key is located among the
 keys of the same prompt without a press (an exact match), so nothing depends on a press's layout; a press that
-masks entries instead of dropping them (AdaKV, KVzip) holds every position it does not mask.
+masks entries instead of dropping them (AdaKV, KVzip) holds every position it does not mask. A case with
+`press_counts: true` gives its press no compression ratio: it keeps what its own parameters say (SimLayerKV).
 """
 
 from __future__ import annotations
@@ -125,8 +126,9 @@ def main(work: Path, cases: list[str] | None = None) -> None:
                 press = build_press(case["kvpress"])
                 if "pattern" in case:  # the press decides its own counts from its pattern
                     press.load_attention_pattern = local_pattern(pattern_folder(work, case, name))
-                elif "threshold" not in case:  # a threshold press (DMSPress) keeps what its threshold decides
-                    set_compression_ratio(press, compression_ratio(press, kept_per_head(config, n), n, slots))
+                elif "threshold" not in case and not case.get("press_counts"):  # else the press decides its counts:
+                    # a threshold press (DMSPress) by its threshold, others by their own parameters (SimLayerKV)
+                    set_compression_ratio(press, compression_ratio(press, kept_per_head(config, n, case), n, slots))
                 for layer in model.model.layers:
                     layer.self_attn.masked_key_indices = None
                 cache = DynamicCache()

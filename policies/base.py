@@ -157,6 +157,18 @@ class Policy:
         """Whether the cache should evict now (a policy may wait, e.g. until a memory limit is reached)."""
         return True
 
+    @hook("active")
+    def bounded(self, layer: LayerKV) -> bool:
+        """Whether `layer` holds to its budget; False: the policy left it whole (SimLayerKV's layers that are not
+        lazy), so it is neither evicted nor sized to the budget, and grows as a full cache does."""
+        return True
+
+    @hook("all")
+    def eviction_periods(self) -> list[int]:
+        """Decode tokens between two evictions that the policy's definition fixes (R-KV's buffer; a wrapper's
+        stages, each its own): the cache evicts every `max` of them, [] for the run's `evict_every`."""
+        return []
+
     @hook("all")
     def report(self) -> dict[str, Any]:
         """Events a record should carry (e.g. when an adaptive policy switched)."""

@@ -53,6 +53,7 @@ POLICY_SPECS = [
     {"name": "kvzip", "chunk": 64}, {"name": "adaptive", "limit_bytes": 20000, "fallback": "h2o"},
     {"name": "razorattention", "calibration_tokens": 32, "induction": 0.25},
     {"name": "duoattention", **NEEDED_PARAMS["duoattention"]},
+    {"name": "simlayerkv", "lazy_threshold": 0.5}, {"name": "rkv", "window": 4, "buffer": 4},
     # compressed storage: every token at fewer bits (batches rows of one length), and under an eviction policy
     {"name": "quant", **QUANT}, {"name": "mixed_precision", "recent": 8, "group_size": 8},
     {"name": "lowrank", "rank": 4}, {"name": "h2o", "budgets": [24], "storage": {"quant": QUANT}},

@@ -19,7 +19,8 @@ from tests.helpers import run_session
 # not what the cache asks of it while running. A new member must be added here or be a @hook.
 NOT_HOOKS = {"budget_scope", "describe", "evicts_during_decode", "kind", "layout", "params", "state_key",
              "check_threshold"}
-ANSWERS = {"report": {}, "observers": [], "state_keys": [], "layer_budgets": [1], "active": True, "batch_limits": []}
+ANSWERS = {"report": {}, "observers": [], "state_keys": [], "layer_budgets": [1], "active": True, "batch_limits": [],
+           "bounded": True, "eviction_periods": []}
 
 
 def public_members(cls: type) -> set[str]:
@@ -65,7 +66,8 @@ def call_hook(policy: Policy, name: str, cache) -> None:
                  "threshold_score": (layer,), "fold": (layer, None), "read_mask": (layer, None, 8),
                  "layer_budgets": (8, 2), "active": (cache,), "report": (), "check_settings": (False,),
                  "check_budget": (8,), "observers": (), "state_keys": (), "batch_limits": (),
-                 "after_prompt": (SimpleNamespace(cache=cache), None), "prepare": (None,)}
+                 "after_prompt": (SimpleNamespace(cache=cache), None), "prepare": (None,),
+                 "bounded": (layer,), "eviction_periods": ()}
     getattr(policy, name)(*arguments[name])
 
 
