@@ -397,14 +397,15 @@ class LayerKV(CacheLayerMixin):
 
 class ReadCounts:
     """The K/V bytes the decode steps' attention read, per row, summed over the layers and steps (`kv_bytes_read`
-    is their mean per step), and what a full cache's steps read. Counted from shapes and the host's counts; a
-    sparse selection's count is summed on the device and read back only when a record asks (no sync per step)."""
+    is their mean per step), and what a full cache's steps read. Counted from shapes and the host's counts; what
+    only the device knows (a sparse selection, heads holding uneven counts) is summed there and read back only when
+    a record asks (no sync per step)."""
 
     def __init__(self, rows: int) -> None:
         self.steps = 0  # one-token forwards in the decode phase
         self.dense = np.zeros(rows)  # bytes of the layers that read every entry they hold
         self.full = np.zeros(rows)
-        self.sparse: torch.Tensor | None = None  # [rows] int64 on the device: the layers that read a selection
+        self.on_device: torch.Tensor | None = None  # [rows] on the device: the layers whose count the host lacks
 
     def count(self, cache: KVCache, layer: LayerKV, selected: torch.Tensor | None) -> None:
         """`layer`'s read at this step: every entry it holds (the new one included), or the `selected` slots
@@ -416,19 +417,23 @@ class ReadCounts:
         if selected is not None:
             if selected.shape[1] != kv_heads:
                 selected = selected.view(selected.shape[0], kv_heads, -1, selected.shape[-1]).any(dim=2)
-            read = selected.sum(dim=(1, 2)) * layer.entry_bytes()
-            self.sparse = read if self.sparse is None else self.sparse + read
+            self._add_on_device(selected.sum(dim=(1, 2)) * layer.entry_bytes())
         elif cache.rows is not None:  # each row's own entries, from the host's accounts
             rows = cache.rows
             self.dense += rows.held[layer.layer_idx].sum(axis=1) * rows.slot_bytes[layer.layer_idx] // kv_heads
+        elif type(layer) is LayerKV and layer.padding() is not None:  # one row whose heads hold uneven counts
+            self._add_on_device((~layer.padding()).sum(dim=(1, 2)) * layer.entry_bytes())
         else:  # one row, or rows that hold alike (compressed storage): a row's share
             self.dense += layer.live_bytes() / len(self.dense)
+
+    def _add_on_device(self, read: torch.Tensor) -> None:
+        self.on_device = read if self.on_device is None else self.on_device + read
 
     def means(self, row: int | None = None) -> dict[str, float | None]:
         """`kv_bytes_read` and `kv_bytes_read_full` of `row` (None: the whole batch)."""
         if not self.steps:
             return {"kv_bytes_read": None, "kv_bytes_read_full": None}
-        read = self.dense + (0 if self.sparse is None else self.sparse.cpu().numpy())
+        read = self.dense + (0 if self.on_device is None else self.on_device.cpu().numpy())
         picked = slice(None) if row is None else slice(row, row + 1)
         return {"kv_bytes_read": float(read[picked].sum()) / self.steps,
                 "kv_bytes_read_full": float(self.full[picked].sum()) / self.steps}
@@ -436,7 +441,7 @@ class ReadCounts:
     def select(self, rows: list[int]) -> ReadCounts:
         twin = ReadCounts(len(rows))
         twin.steps, twin.dense, twin.full = self.steps, self.dense[rows], self.full[rows]
-        twin.sparse = None if self.sparse is None else self.sparse[rows]
+        twin.on_device = None if self.on_device is None else self.on_device[rows]
         return twin
 
 

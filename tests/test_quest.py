@@ -190,3 +190,20 @@ def test_a_config_budget_below_one_page_is_refused_in_one_line(tmp_path):
     config.write_text("name: q\nmodel: {id: 'random:tiny-llama', dtype: float32, device: cpu}\npolicies: [quest]\n"
                       "budgets: [8]\ncontext_lengths: [64]\ntasks: [{name: niah}]\nsamples: 1\n")
     assert_rejected_in_one_line(config, "quest: budget 8 tokens is less than one page (page_size=16)", tmp_path / "run")
+
+
+def test_uneven_heads_count_their_reads_without_a_read_back_per_step(sharp_llama, monkeypatch):
+    """Ada-KV's heads hold uneven counts after the prompt: each decode step reads what the cache holds, counted on
+    the device (no host count of the padding per layer and step, which on a GPU would wait for its queue)."""
+    from kvbench.cache import LayerKV
+
+    session = Session(sharp_llama, build_policy("ada_kv"), RunSettings(budget=40), prompt_tokens=PROMPT)
+    session.prefill(random_ids(PROMPT, seed=5))
+    held = []
+    for token in random_ids(STEPS, seed=6):
+        with monkeypatch.context() as patched:
+            patched.setattr(LayerKV, "live_entries", lambda self: pytest.fail("a host count during a decode step"))
+            session.step(token)
+        held.append(session.cache.live_bytes())  # a prompt-time policy evicts nothing while decoding
+    assert session.cache.padding(0) is not None
+    assert session.cache.stats().kv_bytes_read == pytest.approx(sum(held) / len(held))
