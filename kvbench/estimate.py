@@ -54,28 +54,34 @@ _VARIANT = re.compile(r"(-(instruct|chat|hf|it|base|v\d+(\.\d+)*))+$")
 
 
 def builtin_shape(model: str) -> Shape | None:
-    """The built-in shape a hub id names (`meta-llama/Llama-3.1-8B-Instruct` -> `llama-3.1-8b`), without the
+    """The built-in shape a name or hub id names (`meta-llama/Llama-3.1-8B-Instruct` -> `llama-3.1-8b`), without the
     network; None when it names none."""
     name = model.rsplit("/", 1)[-1].lower()
     return SHAPES.get(name) or SHAPES.get(_VARIANT.sub("", name))
 
 
 def offline_shape(model: str) -> Shape | None:
-    """`model`'s shape without the network or its weights: a built-in shape, `random:<shape>` or a local folder's
-    config; None for anything else (a hub id with no built-in shape, a GGUF file)."""
-    shape = builtin_shape(model)
-    if shape is not None or not (model.startswith("random:") or Path(model).is_dir()):
-        return shape
+    """`model`'s shape without the network or its weights (`model_shape` where that needs no download); None for
+    anything else (a hub id with no built-in shape, a GGUF file)."""
+    if not _has_own_config(model) and builtin_shape(model) is None:
+        return None
     try:
         return model_shape(model)
     except KvbenchError:
         return None
 
 
+def _has_own_config(model: str) -> bool:
+    """`random:<shape>` and a local folder say their shape themselves, whatever their name reads like."""
+    return model.startswith("random:") or Path(model).expanduser().is_dir()
+
+
 def model_shape(model: str) -> Shape:
-    """A name of the built-in table, `random:<shape>`, a local folder, a GGUF file or a hub id (config only)."""
-    if model.lower() in SHAPES:
-        return SHAPES[model.lower()]
+    """`random:<shape>` or a local folder (its config), a built-in shape or a hub id naming one (offline), a GGUF
+    file or another hub id (its config, fetched)."""
+    shape = None if _has_own_config(model) else builtin_shape(model)
+    if shape is not None:
+        return shape
     from transformers import AutoConfig
 
     from kvbench.models import _random_config, config_parameters, local_source
@@ -86,9 +92,10 @@ def model_shape(model: str) -> Shape:
         try:
             with _quiet_hub():
                 config = AutoConfig.from_pretrained(local_source(model))
-        except OSError as exc:  # not a folder, not on the hub, offline
-            raise KvbenchError(f"model '{model}': its config could not be found locally or fetched from the hub "
-                               f"(nor is it a built-in shape): {str(exc).splitlines()[0]}") from None
+        except (OSError, ValueError) as exc:  # not a folder, not on the hub, offline; a config of no known type
+            raise KvbenchError(f"model '{model}': no local config, and the hub's could not be fetched "
+                               f"({str(exc).splitlines()[0]}); built-in shapes, which need no network: "
+                               f"{', '.join(SHAPES)}") from None
     heads = config.num_attention_heads
     return Shape(config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads,
                  getattr(config, "head_dim", None) or config.hidden_size // heads, config_parameters(config), heads)

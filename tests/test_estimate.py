@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from typer.testing import CliRunner
 
@@ -71,3 +73,31 @@ def test_a_sweeps_time_estimate_is_prompt_flops_plus_decode_steps_bound_by_their
     step = (shape.parameters * 2 + 1000 * shape.bytes_per_token(2)) / gpu.bandwidth
     assert step > 2 * shape.parameters / gpu.flops  # a decode step waits on memory, not on arithmetic
     assert estimate_seconds([cell], shape, 2, gpu, share=True) == pytest.approx(prompt + 16 * step)
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """No hub: any config fetch fails as it does without a network."""
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", refuse)
+
+
+def test_a_hub_id_naming_a_built_in_shape_is_estimated_offline(offline):
+    from kvbench.estimate import offline_shape
+
+    assert model_shape("meta-llama/Llama-3.1-8B-Instruct") == SHAPES["llama-3.1-8b"]
+    assert offline_shape("meta-llama/Llama-3.1-8B-Instruct") == SHAPES["llama-3.1-8b"]  # as a dry run sizes it
+    result = runner.invoke(app, ["estimate", "meta-llama/Llama-3.1-8B-Instruct", "-c", "1024", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["layers"] == 32
+
+
+def test_a_model_unknown_offline_is_one_line_listing_the_built_in_shapes(offline):
+    result = runner.invoke(app, ["estimate", "acme/unheard-of-7b", "-c", "1024"])
+    assert result.exit_code == 2, result.output
+    assert "acme/unheard-of-7b" in result.output and "llama-3.1-8b" in result.output
+    assert len(result.output.strip().splitlines()) == 1
