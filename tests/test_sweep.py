@@ -305,7 +305,7 @@ def test_ctrl_c_stops_after_the_sample_in_flight(tmp_path):
     assert len(records_by_key(run)) == 2 * 7 * 8
 
 
-@pytest.mark.parametrize("name", ["smoke", "llama7b", "ci", "gate", "bytes", "lmeval"])
+@pytest.mark.parametrize("name", ["smoke", "llama8b", "ci", "gate", "bytes", "lmeval"])
 def test_shipped_configs_validate(name):
     result = runner.invoke(app, ["validate", str(ROOT / "configs" / f"{name}.yaml")])
     assert result.exit_code == 0, result.output
@@ -477,7 +477,7 @@ def test_a_dry_run_needs_neither_the_device_nor_the_network(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    result = CliRunner().invoke(app, ["sweep", str(ROOT / "configs" / "llama7b.yaml"), "--dry-run"])
+    result = CliRunner().invoke(app, ["sweep", str(ROOT / "configs" / "llama8b.yaml"), "--dry-run"])
     printed = " ".join(result.output.split())
     assert result.exit_code == 0, result.output
     assert "1392 cells" in printed and "estimated time ~" in printed and "on cuda" in printed
