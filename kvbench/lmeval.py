@@ -24,33 +24,66 @@ sequences are lm-eval's (`HFLM`); requests run one at a time, each in its own se
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import functools
 import io
 import logging
 import re
+import sys
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 
-from kvbench.errors import KvbenchError
+from kvbench.errors import KvbenchError, did_you_mean
 from kvbench.models import LoadedModel, load_model
 from kvbench.policies import Policy, build_policy
 from kvbench.session import RunSettings, Session
 
+# what `--model_args` of `--model kvbench` takes, as `kvbench lm-eval --help` lists it; a test holds it to
+# KvbenchLM's signature
+MODEL_ARGS = {
+    "pretrained": "a kvbench model spec: hub id, local folder, .gguf file, smollm2-135m, gemma3-270m or "
+                  "random:<shape> (default smollm2-135m)",
+    "policy": "a policy name, see `kvbench policies` (default full)",
+    "policy.<param>": "a parameter of the policy, e.g. policy.window=16 (or the bare name where it is none of these)",
+    "budget": "tokens per layer and KV head (128) or a ratio of the prompt (0.25) (default: none, the whole cache)",
+    "prefill": "full (one forward, then compress; default) or chunked (compress after every prefill_chunk tokens)",
+    "prefill_chunk": "tokens per chunk of a chunked prefill (default 512)",
+    "split_at": "a marker (Question:, or re:<pattern>): each context is cut at its last occurrence, the text before "
+                "it compressed, the rest appended after",
+    "question": "aware (the question compressed with its context; default) or agnostic (default with split_at, "
+                "which it needs)",
+    "evict_every": "decode-time slack: evict once this many tokens exceed the budget (default 1)",
+    "dtype": "auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16 (or fp32, bf16, fp16)",
+    "device": "auto, cpu, cuda or cuda:N (default auto)",
+    "seed": "seed for random weights (default 0)",
+    "score_chunk": "continuation tokens teacher-forced per forward through the compressed cache (default 1)",
+    "stream_chunk": "tokens per forward of loglikelihood_rolling, compressed after each (default 64)",
+    "max_length": "the longest context (default: the model's max_position_embeddings)",
+}
+
+
+def model_args_help() -> str:
+    """kvbench's section of `kvbench lm-eval --help`: the model and its `model_args`."""
+    width = max(map(len, MODEL_ARGS))
+    lines = [textwrap.fill(text, 110, initial_indent=f"  {name:<{width}}  ", subsequent_indent=" " * (width + 4))
+             for name, text in MODEL_ARGS.items()]
+    return "\n".join(["kvbench's model: --model kvbench --model_args pretrained=SPEC,policy=NAME,budget=0.25,...",
+                      *lines, "", "lm-eval's own usage follows.", ""])
+
 
 @register_model("kvbench")
 class KvbenchLM(HFLM):
-    """`model_args`: `pretrained` (any kvbench model spec), `policy` and its parameters (`policy.<name>=value`, or
-    the bare name when it is not one of these arguments), `budget`, `prefill`, `prefill_chunk`, `evict_every`,
-    `dtype`, `device`, `seed`, `score_chunk`, `stream_chunk` (or, from Python, a loaded model, a built policy and
-    `settings`), `split_at` (a marker: `Question:`, or `re:<pattern>`; each context is cut at its last occurrence
-    and the question placement is `agnostic`; a context without it is an error) and `question` (`aware`, or
-    `agnostic`, which needs `split_at`; by default `agnostic` exactly when `split_at` is given). `measurements`
-    gathers each request's record."""
+    """`model_args`: `MODEL_ARGS` (or, from Python, a loaded model, a built policy and `settings`); `policy.<name>`
+    (or the bare name when it is not one of `MODEL_ARGS`) sets a policy parameter. `measurements` gathers each
+    request's record."""
 
     def __init__(self, pretrained: str | LoadedModel = "smollm2-135m", policy: str | Policy = "full",
                  budget: int | float | None = None, prefill: str = "full", prefill_chunk: int = 512,
@@ -214,19 +247,66 @@ def warn_first_token_uncompressed() -> None:
 
 def lm_eval_tasks(names: tuple[str, ...], include_path: str | None, metadata: dict[str, Any]) -> tuple[Any, dict]:
     """lm-eval's task manager and task objects by name, with kvbench's length knob (and tokenizer) in their
-    metadata. Local tasks alone (all found under `include_path`) skip indexing lm-eval's thousands of built-in
-    ones."""
+    metadata."""
+    manager = task_manager(names, include_path, metadata, "give include_path, a folder of task YAML files")
+    return manager, manager.load(list(names))["tasks"]  # a group or tag expands into its tasks
+
+
+def task_manager(names: Sequence[str], include_path: str | None, metadata: dict[str, Any] | None,
+                 local_hint: str) -> Any:
+    """lm-eval's task manager once every name resolves (a task, group or tag, a pattern as lm-eval matches it);
+    an unknown one is a one-line error with the closest name and `local_hint` (how to add local tasks) when no
+    `include_path` was given. Local tasks alone (all found under `include_path`) skip indexing lm-eval's thousands
+    of built-in ones."""
     from lm_eval.tasks import TaskManager
+
+    def unknown(manager: Any) -> list[str]:
+        return [name for name in names if not manager.match_tasks([name])]
 
     manager = TaskManager(include_path=include_path, include_defaults=False, metadata=metadata) \
         if include_path else None
-    if manager is None or any(name not in manager.all_tasks for name in names):
+    if manager is None or unknown(manager):
         manager = TaskManager(include_path=include_path, metadata=metadata)
-    unknown = [name for name in names if name not in manager.all_tasks]
-    if unknown:
-        raise KvbenchError(f"lm-eval has no task '{unknown[0]}'" + ("" if include_path else
-                           " (local tasks: give include_path, a folder of task YAML files)"))
-    return manager, manager.load(list(names))["tasks"]  # a group or tag expands into its tasks
+    missing = unknown(manager)
+    if missing:
+        raise KvbenchError(f"lm-eval has no task '{missing[0]}'{did_you_mean(missing[0], manager.all_tasks)}"
+                           + ("" if include_path else f" (local tasks: {local_hint})"))
+    return manager
+
+
+def check_command_tasks(args: Sequence[str]) -> None:
+    """The task names of an lm-eval `run` command line (`--tasks a,b c`), checked before lm-eval loads the model:
+    lm-eval's own check ends in a traceback. Task YAML files and folders are left to lm-eval."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--tasks", "-t", nargs="+", default=[])
+    parser.add_argument("--include_path")
+    known, _ = parser.parse_known_args(args)
+    names = [name for group in known.tasks for name in group.split(",") if name]
+    names = [name for name in names if not name.endswith(".yaml") and not Path(name).is_dir()]
+    if names:
+        task_manager(names, known.include_path, None, "--include_path DIR, a folder of task YAML files")
+
+
+class _CurrentStderr:
+    """Writes to whatever `sys.stderr` is at the time of each write."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def log_to_current_stderr() -> None:
+    """lm-eval's logging, set up as its command line does, writing to the `sys.stderr` of each record: lm-eval binds
+    its handler to the `sys.stderr` of its first setup, which a caller that swaps it (a test runner capturing a
+    command's output) closes afterwards, so every later record of the process failed to print."""
+    from lm_eval.utils import setup_logging
+
+    setup_logging()
+    for handler in logging.getLogger("lm_eval").handlers:
+        if type(handler) is logging.StreamHandler and not isinstance(handler.stream, _CurrentStderr):
+            handler.stream = _CurrentStderr()
 
 
 def evaluate_doc(lm: LoadedModel, policy: Policy, settings: RunSettings, manager: Any, task: Any, name: str,

@@ -4,7 +4,6 @@ distributions that declare a `kvbench.policies` / `kvbench.tasks` entry point.""
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -15,7 +14,7 @@ from typing import Any, Generic, TypeVar
 
 import pydantic
 
-from kvbench.errors import KvbenchError
+from kvbench.errors import KvbenchError, did_you_mean
 
 T = TypeVar("T")
 
@@ -42,9 +41,8 @@ class Registry(Generic[T]):
     def get(self, name: str) -> type[T]:
         self._load_entry_points()
         if name not in self._entries:
-            close = difflib.get_close_matches(name, self._entries, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise KvbenchError(f"unknown {self.kind} '{name}'{hint}; known: {', '.join(self.names())}")
+            raise KvbenchError(f"unknown {self.kind} '{name}'{did_you_mean(name, self._entries)}; known: "
+                               f"{', '.join(self.names())}")
         return self._entries[name]
 
     def build(self, name: str, params: dict[str, Any] | None = None) -> T:

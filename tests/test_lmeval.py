@@ -332,3 +332,62 @@ def test_the_sweep_splits_its_agnostic_cells_at_split_at(tmp_path):
     with pytest.raises(KvbenchError, match="question: agnostic needs `split_at`"):
         unsplit.run(lm, build_policy("full"), unsplit.samples(lm.tokenizer, 512, 1, 0)[0],
                     RunSettings(question="agnostic"))
+
+
+def test_the_lm_eval_help_lists_the_kvbench_model_args_then_lm_evals_usage():
+    import inspect
+
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    for flag in ("--help", "-h"):
+        result = CliRunner().invoke(app, ["lm-eval", flag])
+        assert result.exit_code == 0, result.output
+        for name in ("pretrained", "policy.<param>", "budget", "split_at", "question", "score_chunk"):
+            assert f"\n  {name} " in result.output, (flag, name)
+        assert result.output.index("split_at") < result.output.index("usage: lm-eval")
+    from kvbench.lmeval import MODEL_ARGS
+
+    taken = set(inspect.signature(KvbenchLM.__init__).parameters)
+    # lm-eval's batching arguments are taken and ignored (a request runs alone), `settings` is for Python callers
+    assert set(MODEL_ARGS) - {"policy.<param>"} == taken - {"self", "settings", "params", "batch_size",
+                                                            "max_batch_size"}
+
+
+def test_an_unknown_lm_eval_task_is_one_line_before_the_model_loads(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import kvbench.lmeval
+    from kvbench.cli import app
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model loaded before the tasks were checked")
+
+    monkeypatch.setattr(kvbench.lmeval, "load_model", no_model)
+    result = CliRunner().invoke(app, [
+        "lm-eval", "run", "--model", "kvbench", "--model_args", "pretrained=random:tiny-llama", "--tasks",
+        "local_mc,local_qb", "--include_path", local_tasks(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert "no task 'local_qb' (did you mean 'local_qa'?)" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_lm_evals_log_outlives_a_command_whose_output_was_captured(capsys, monkeypatch):
+    """lm-eval's log handler must not keep the captured (then closed) stderr of the command that set it up."""
+    import logging
+
+    import lm_eval.utils
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    logger = logging.getLogger("lm_eval")
+    monkeypatch.setattr(lm_eval.utils, "_LOGGING_CONFIGURED", False)  # as in a fresh process
+    monkeypatch.setattr(logger, "handlers", [])
+    monkeypatch.setattr(logger, "propagate", logger.propagate)
+    monkeypatch.setattr(logger, "level", logger.level)
+    assert CliRunner().invoke(app, ["lm-eval", "--help"]).exit_code == 0
+    logger.warning("a later record")
+    err = capsys.readouterr().err
+    assert "Logging error" not in err and "a later record" in err

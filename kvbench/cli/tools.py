@@ -37,7 +37,10 @@ def capacity_command(
     dtype: str = typer.Option("auto", "--dtype", help="As for `run`."),
     device: str = typer.Option("auto", "--device", help="As for `run`."),
 ) -> None:
-    """Largest batch (--context) or longest context (--batch) that fits a memory limit, and its decode speed."""
+    """Find the largest batch or longest context that fits memory.
+
+    The largest batch at --context, or the longest context at --batch, within --memory-limit or --pressure, and
+    its decode speed."""
     from kvbench.capacity import capacity
     from kvbench.estimate import parse_bytes
     from kvbench.models import load_model
@@ -87,7 +90,9 @@ def estimate_command(
                                  "bytes as numbers, budget null for the full cache and fits null without "
                                  "--device-memory."),
 ) -> None:
-    """KV-cache memory of a model at given lengths, batches, dtypes and budgets, without loading it."""
+    """Estimate a model's KV-cache memory without loading it.
+
+    One row per context length, batch, dtype and budget, beside the weights."""
     from kvbench.estimate import estimate, model_shape, parse_bytes
     from kvbench.tables import estimate_table
 
@@ -170,16 +175,24 @@ def tasks(plugins: str | None = PLUGINS, as_json: bool = JSON_LISTING) -> None:
              context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 @user_errors
 def lm_eval_command(ctx: typer.Context) -> None:
-    """lm-evaluation-harness's command line with the `kvbench` model registered, e.g. `kvbench lm-eval --model
-    kvbench --model_args pretrained=smollm2-135m,policy=snapkv,budget=0.25 --tasks TASK`."""
+    """Run lm-evaluation-harness with the kvbench model registered.
+
+    lm-eval's own command line, e.g. `kvbench lm-eval run --model kvbench --model_args
+    pretrained=smollm2-135m,policy=snapkv,budget=0.25 --tasks TASK`."""
     import sys
 
     try:
         from lm_eval.__main__ import cli_evaluate
 
-        import kvbench.lmeval  # noqa: F401  (registers the model)
+        from kvbench import lmeval  # registers the model
     except ImportError:
         raise KvbenchError("lm-evaluation-harness is not installed: pip install -e '.[lmeval]' in the kvbench "
                            "checkout") from None
-    sys.argv = ["lm-eval", *ctx.args]
+    args = list(ctx.args)
+    if "-h" in args or "--help" in args:
+        typer.echo(lmeval.model_args_help())
+    elif args and args[0] not in ("ls", "validate"):  # `run`, named or (lm-eval's older form) implied
+        lmeval.check_command_tasks(args)
+    lmeval.log_to_current_stderr()
+    sys.argv = ["lm-eval", *args]
     cli_evaluate()
