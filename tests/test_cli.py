@@ -151,3 +151,15 @@ def test_error_text_is_printed_as_is(monkeypatch):
     result = runner.invoke(app, ["run", "-m", "random:tiny-llama", "-t", "perplexity", "--task-param",
                                  "corpus=hf:nothing-such", "-c", "300"])
     assert result.exit_code == 2 and "pip install -e '.[data]' in the kvbench checkout" in result.output
+
+
+def test_kvbench_help_lists_every_command_with_a_whole_sentence():
+    """`kvbench --help` shows each command's first sentence, cut to fit: each must be short enough to be whole."""
+    import typer.main
+
+    listed = " ".join(runner.invoke(app, ["--help"]).output.split())
+    group = typer.main.get_command(app)
+    fits = 80 - 6 - max(map(len, group.commands))  # Click's room beside the names on an 80-column terminal
+    for name, command in group.commands.items():
+        short = command.get_short_help_str(fits)
+        assert short.endswith(".") and not short.endswith("...") and short in listed, f"kvbench {name}: {short}"

@@ -16,7 +16,9 @@ def summarize(
     run: str = typer.Argument(..., help="Run folder."),
     latex: bool = typer.Option(False, "--latex", help="Also write summary.tex (booktabs, best per column in bold)."),
 ) -> None:
-    """(Re)write summary.csv and summary.md of a run folder from its records."""
+    """Rewrite a run folder's summary from its records.
+
+    The summary: summary.csv and summary.md (and summary.tex with --latex)."""
     from kvbench.report import latex as latex_tables
     from kvbench.summary import summarize as write_summary
 
@@ -40,8 +42,10 @@ def plot(
     x: str = typer.Option("stored", "--x", help="The curves' x axis: stored (cache ratio, KV bytes held) or read "
                           "(read ratio, K/V bytes read per decode step)."),
 ) -> None:
-    """Draw score vs cache ratio and bytes, needle heatmaps, memory, speed and the Pareto front; for a folder of
-    runs, each run's figures and compare_<task> figures of the runs that share a task and model."""
+    """Draw a run's figures, or compare a folder of runs.
+
+    Score vs cache ratio and bytes, needle heatmaps, memory, speed and the Pareto front; for a folder of runs, each
+    run's figures and compare_<task> figures of the runs that share a task and model."""
     from kvbench.plot import plot_folder, plot_run
 
     if _is_run(run):
@@ -62,8 +66,10 @@ def report(
     run: str = typer.Argument(..., help="Run folder, or a folder of run folders (each reported, and indexed)."),
     max_drop: float = typer.Option(2.0, "--max-drop", min=0, help="Allowed drop (points) for the recommendation."),
 ) -> None:
-    """Write RUN/report.html: one offline file that opens with the recommendation, then figures, tables and a
-    failure gallery; for a folder of runs, each run's report and FOLDER/report.html indexing and comparing them."""
+    """Write one offline HTML report of a run or a folder of runs.
+
+    RUN/report.html opens with the recommendation, then figures, tables and a failure gallery; for a folder of runs,
+    each run's report and FOLDER/report.html indexing and comparing them."""
     from kvbench.report import html_report, report_folder
 
     if _is_run(run):
@@ -89,8 +95,9 @@ def recommend(
     max_kl: float | None = typer.Option(None, "--max-kl", min=0, help="Also require a mean KL from the full cache "
                                         "within this (nats per step; cells of a sweep with diagnostics: [fidelity])."),
 ) -> None:
-    """The smallest cache that stays within the allowed drop of full, per task and context length (and per model
-    and dtype when the run has several)."""
+    """The smallest cache within the allowed drop of full.
+
+    One answer per task and context length (and per model and dtype when the run has several)."""
     from kvbench.report import recommend as pick
     from kvbench.summary import model_facets
     from kvbench.summary import summarize as read_summary
@@ -107,7 +114,9 @@ def baseline(
     run: str = typer.Argument(..., help="Run folder to freeze."),
     out: str = typer.Option(..., "--out", help="Baseline file to write, e.g. baselines/smoke.json."),
 ) -> None:
-    """Freeze a run's per-cell metrics (scores per sample, kv peak, speed ratios) as a baseline."""
+    """Freeze a run's per-cell metrics as a baseline for `gate`.
+
+    The metrics: scores per sample, kv peak, speed ratios."""
     from kvbench.gate import make_baseline
 
     made = make_baseline(run, out)
@@ -135,7 +144,9 @@ def gate_command(
     junit_path: str | None = typer.Option(None, "--junit", help="Write JUnit XML here."),
     markdown_path: str | None = typer.Option(None, "--markdown", help="Write a Markdown report here."),
 ) -> None:
-    """Check a run against a baseline: exit 1 on a regression, 2 on bad input, 0 otherwise."""
+    """Check a run against a baseline for regressions.
+
+    Exit 1 on a regression, 2 on bad input, 0 otherwise."""
     from kvbench.gate import Limits, gate, junit, load_baseline, markdown
     from kvbench.tables import gate_table
 

@@ -32,8 +32,10 @@ def check(
                                           "number) to this file."),
     seed: int = typer.Option(0, "--seed", help="Seed for random weights."),
 ) -> None:
-    """Check kvbench on this model and device: full equals model.generate, policies keep what their references
-    keep, memory readings hold, decode speed. Exit 1 if a check fails."""
+    """Check kvbench on this model and device.
+
+    full equals model.generate, policies keep what their references keep, memory readings hold, decode speed. Exit
+    1 if a check fails."""
     from kvbench.check import CHECKABLE, CheckSettings, default_context, reference_kernel, report_dict, run_checks
     from kvbench.models import load_model, resolve_device
 

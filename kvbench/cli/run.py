@@ -55,7 +55,9 @@ def run(
     reference: bool = typer.Option(True, "--reference/--no-reference", help="Also run `full` on each sample: the "
                                    "row the policies compare with, as a sweep's summary has it."),
 ) -> None:
-    """Run policies on a task and compare quality, speed and cache memory."""
+    """Compare policies on one task: quality, speed, cache memory.
+
+    Each policy runs beside `full` on the same samples, without a run folder."""
     from kvbench.budgets import Threshold
     from kvbench.policies import build_policy
     from kvbench.policies.base import takes_budget

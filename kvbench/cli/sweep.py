@@ -55,7 +55,9 @@ def sweep(
                                  "unit of work."),
     plugins: str | None = PLUGINS,
 ) -> None:
-    """Run a grid of policies x budgets x context lengths x tasks into a resumable run folder."""
+    """Run a config's grid into a resumable run folder.
+
+    The grid: policies x budgets x context lengths x tasks (and models, dtypes, question placements)."""
     from kvbench.config import load_config
     from kvbench.registry import load_plugins
     from kvbench.results import RunFolder
