@@ -9,6 +9,7 @@ import copy
 import hashlib
 import json
 import logging
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -18,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvbench.budgets import THRESHOLD, Threshold, budget_description, threshold_from
-from kvbench.errors import KvbenchError
+from kvbench.errors import KvbenchError, did_you_mean
 from kvbench.session import check_budget
 
 # a budget as a config writes it: tokens per layer and KV head, a ratio of the prompt, or {threshold: t}
@@ -115,10 +116,13 @@ def _model_spec(value: Any) -> Any:
 
 
 def _checked_dtype(dtype: str) -> str:
+    """`dtype` by its full name (`bf16` is `bfloat16`, in cells and the config hash too), checked."""
+    from kvbench.estimate import DTYPE_ALIASES, canonical_dtype
     from kvbench.models import DTYPES
 
+    dtype = canonical_dtype(dtype)
     if dtype != "auto" and dtype not in DTYPES:
-        raise ValueError(f"unknown dtype '{dtype}' (use auto, {', '.join(DTYPES)})")
+        raise ValueError(f"unknown dtype '{dtype}' (use auto, {', '.join(DTYPES)}; or {', '.join(DTYPE_ALIASES)})")
     return dtype
 
 
@@ -171,9 +175,7 @@ class SweepConfig(Strict):
     @field_validator("dtypes")
     @classmethod
     def _dtypes(cls, dtypes: list[str] | None) -> list[str] | None:
-        for dtype in dtypes or []:
-            _checked_dtype(dtype)
-        return dtypes
+        return None if dtypes is None else [_checked_dtype(dtype) for dtype in dtypes]
 
     @model_validator(mode="after")
     def _one_dtype_source(self) -> SweepConfig:
@@ -388,6 +390,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> SweepConfig:
     """Read, merge includes, apply `key.sub=value` overrides, validate."""
     path = Path(path)
     raw, sources = _read_with_includes(path, seen=())
+    overridden: list[tuple[tuple, str]] = []  # each --set's location in the config, and the option as given
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -397,19 +400,21 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> SweepConfig:
         except yaml.YAMLError:
             raise KvbenchError(f"--set '{item}': the value is not valid YAML") from None
         _assign(raw, key.split("."), parsed)
+        overridden.append((tuple(int(part) if part.isdigit() else part for part in key.split(".")), item))
     try:
         config = SweepConfig.model_validate(raw)
     except pydantic.ValidationError as exc:
-        error = exc.errors()[0]
+        # a misspelt key is also the missing key it meant: the misspelling is the one to name
+        error = min(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
         loc = tuple(error["loc"])
         message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
-            message = f"unknown key '{loc[-1]}'"
+            message = f"unknown key '{loc[-1]}'{did_you_mean(str(loc[-1]), _allowed_keys(loc[:-1]))}"
         elif error["type"] == "missing":
             message = f"missing key '{loc[-1]}'"
-        raise KvbenchError(f"{_where(sources, loc)}: {_dotted(loc)}: {message}") from None
+        raise KvbenchError(f"{_where(sources, overridden, loc)}: {_dotted(loc)}: {message}") from None
     except _Located as exc:
-        raise KvbenchError(f"{_where(sources, exc.loc)}: {_dotted(exc.loc)}: {exc}") from None
+        raise KvbenchError(f"{_where(sources, overridden, exc.loc)}: {_dotted(exc.loc)}: {exc}") from None
     # warned of once a config is valid, so that a bad one still ends in its one error line alone
     for budget in sorted({b for b in config.all_budgets() if type(b) is int}):
         warn_if_ratio_like(budget)
@@ -491,8 +496,37 @@ def _dotted(loc: tuple) -> str:
     return text
 
 
-def _where(sources: list[tuple[Path, Any]], loc: tuple) -> str:
-    """`file:line` of the deepest node on `loc` that some source file spells out."""
+def _allowed_keys(loc: tuple) -> list[str]:
+    """The keys the mapping at `loc` may hold: its section's fields (and, at the top, `include`)."""
+    section: type[BaseModel] | None = SweepConfig
+    for part in loc:
+        field = None if isinstance(part, int) or section is None else section.model_fields.get(part)
+        if field is not None:
+            section = _section(field.annotation)
+        elif not isinstance(part, int):  # an index stays in its list's section
+            return []
+    if section is None:
+        return []
+    return [*section.model_fields, *(["include"] if section is SweepConfig else [])]
+
+
+def _section(annotation: Any) -> type[BaseModel] | None:
+    """The config section a field holds, inside its list or optional (`list[ModelConfig] | None`)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for inner in typing.get_args(annotation):
+        found = _section(inner)
+        if found is not None:
+            return found
+    return None
+
+
+def _where(sources: list[tuple[Path, Any]], overridden: list[tuple[tuple, str]], loc: tuple) -> str:
+    """`--set key=value` where the command line set `loc` (or a key above it), else `file:line` of the deepest node
+    on `loc` that some source file spells out."""
+    for keys, item in reversed(overridden):  # the last --set of a key is the one that stands
+        if loc[: len(keys)] == keys:
+            return f"--set {item}"
     for path, root in sources:
         node, line = root, None
         for part in loc:

@@ -14,6 +14,8 @@ from typing import Any
 from kvbench.errors import KvbenchError
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "int8": 1, "int4": 0.5}
+# the short names users write (and help texts use) for torch's
+DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40}
 
@@ -114,6 +116,12 @@ def _quiet_hub() -> Iterator[None]:
         hub.setLevel(level)
 
 
+def canonical_dtype(dtype: str) -> str:
+    """A dtype by its full name: `bf16` -> `bfloat16` (`DTYPE_ALIASES`); any other name as given, for its consumer
+    to check."""
+    return DTYPE_ALIASES.get(dtype, dtype)
+
+
 def human_bytes(count: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if count < 1024 or unit == "GiB":
@@ -137,7 +145,7 @@ def estimate(shape: Shape, contexts: list[int], batches: list[int], dtypes: list
     whether cache plus weights (in the same dtype) fit `device_memory`."""
     unknown = [d for d in dtypes if d not in DTYPE_BYTES]
     if unknown:
-        raise KvbenchError(f"unknown dtype '{unknown[0]}' (use {', '.join(DTYPE_BYTES)})")
+        raise KvbenchError(f"unknown dtype '{unknown[0]}' (use {', '.join([*DTYPE_BYTES, *DTYPE_ALIASES])})")
     rows = []
     for dtype in dtypes:
         per_token = shape.bytes_per_token(DTYPE_BYTES[dtype])

@@ -42,6 +42,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 
 from kvbench.errors import KvbenchError, did_you_mean
+from kvbench.estimate import canonical_dtype
 from kvbench.models import LoadedModel, load_model
 from kvbench.policies import Policy, build_policy
 from kvbench.session import RunSettings, Session
@@ -105,7 +106,7 @@ class KvbenchLM(HFLM):
         if score_chunk < 1 or stream_chunk < 1:
             raise KvbenchError(f"score_chunk and stream_chunk must be at least 1, got {score_chunk}, {stream_chunk}")
         self.kv_lm = pretrained if isinstance(pretrained, LoadedModel) else load_model(
-            str(pretrained), dtype=dtype, device=device or "auto", seed=seed)
+            str(pretrained), dtype=canonical_dtype(dtype), device=device or "auto", seed=seed)
         self.kv_policy = policy if isinstance(policy, Policy) else build_policy(
             policy, {key.removeprefix("policy."): value for key, value in params.items()})
         self.settings = settings

@@ -71,6 +71,17 @@ app = typer.Typer(
 PLUGINS = typer.Option(None, "--plugins", help="Folder of extra policy/task files to load.")
 
 
+def full_dtype_names(value: Any) -> Any:
+    """`--dtype` (one or a list) by full names: bf16, fp16, fp32 as bfloat16, float16, float32."""
+    from kvbench.estimate import canonical_dtype
+
+    return canonical_dtype(value) if isinstance(value, str) else [canonical_dtype(dtype) for dtype in value]
+
+
+DTYPE = typer.Option("auto", "--dtype", callback=full_dtype_names, help="auto (bfloat16 on GPU, float32 on CPU), "
+                     "float32, bfloat16, float16 (or fp32, bf16, fp16).")
+
+
 def user_errors(command: Callable) -> Callable:
     """Bad input ends in one line naming the culprit and exit code 2, never a traceback."""
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from kvbench.cli.app import app, stdout, user_errors
+from kvbench.cli.app import DTYPE, app, stdout, user_errors
 
 MARKS = {"pass": "[green]pass[/]", "fail": "[bold red]FAIL[/]", "skip": "[yellow]skip[/]"}
 
@@ -19,7 +19,7 @@ MARKS = {"pass": "[green]pass[/]", "fail": "[bold red]FAIL[/]", "skip": "[yellow
 def check(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Hub id, local folder, .gguf file, an embedded "
                               "model (smollm2-135m, gemma3-270m) or random:<shape>."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16."),
+    dtype: str = DTYPE,
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
     context: int | None = typer.Option(None, "--context", "-c", min=16, help="Tokens of the long prompt "
                                        "(default 16384 on a GPU, 1024 on CPU); the short one has 256."),

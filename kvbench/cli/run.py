@@ -9,6 +9,7 @@ from typing import Any, cast
 import typer
 
 from kvbench.cli.app import (
+    DTYPE,
     PLUGINS,
     app,
     parse_assignments,
@@ -44,7 +45,7 @@ def run(
     evict_every: int = typer.Option(1, "--evict-every", min=1, help="Decode-time slack: evict once this "
                                     "many tokens exceed the budget."),
     max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", min=1, help="Override the task's."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16."),
+    dtype: str = DTYPE,
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
     device_map: str | None = typer.Option(None, "--device-map", help="'auto' to spread a large model over GPUs."),
     seed: int = typer.Option(0, "--seed", help="Seed for sample generation and random weights."),

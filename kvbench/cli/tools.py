@@ -8,7 +8,17 @@ from typing import Any, Literal, cast
 
 import typer
 
-from kvbench.cli.app import PLUGINS, app, parse_assignments, parse_budget, stderr, stdout, user_errors
+from kvbench.cli.app import (
+    DTYPE,
+    PLUGINS,
+    app,
+    full_dtype_names,
+    parse_assignments,
+    parse_budget,
+    stderr,
+    stdout,
+    user_errors,
+)
 from kvbench.errors import KvbenchError
 from kvbench.estimate import human_bytes
 from kvbench.registry import first_line
@@ -34,7 +44,7 @@ def capacity_command(
     most: int | None = typer.Option(None, "--max", min=1, help="Upper bound of the search."),
     prefill: str = typer.Option("full", "--prefill", help="full or chunked (see `run`)."),
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", min=1, help="Chunk size for --prefill chunked."),
-    dtype: str = typer.Option("auto", "--dtype", help="As for `run`."),
+    dtype: str = DTYPE,
     device: str = typer.Option("auto", "--device", help="As for `run`."),
 ) -> None:
     """Find the largest batch or longest context that fits memory.
@@ -80,7 +90,9 @@ def estimate_command(
                                            "smollm2-135m, ...), random:<shape>, a local folder or a hub id."),
     context: list[int] = typer.Option([4096], "--context", "-c", help="Context length in tokens; repeatable."),
     batch: list[int] = typer.Option([1], "--batch", help="Sequences in the batch; repeatable."),
-    dtype: list[str] = typer.Option(["bfloat16"], "--dtype", help="KV and weight dtype; repeatable."),
+    dtype: list[str] = typer.Option(["bfloat16"], "--dtype", callback=full_dtype_names, help="KV and weight "
+                                    "dtype: float32, bfloat16, float16 (or fp32, bf16, fp16), float8, int8, int4; "
+                                    "repeatable."),
     budget: list[str] = typer.Option([], "--budget", "-b", help="Tokens per layer and KV head or a ratio (0.25 or "
                                      "25%); repeatable (the full cache is always shown)."),
     device_memory: str | None = typer.Option(None, "--device-memory", help="e.g. 80GiB: warn where cache plus "
