@@ -3,7 +3,9 @@ show validates, and every config in configs/ loads (the policies and tasks it na
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
 from pathlib import Path
 
@@ -70,11 +72,39 @@ def test_every_config_the_docs_show_validates(where, block, tmp_path):
     assert expand(load_config(path))
 
 
-@pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+@functools.cache
+def validated(name: str) -> tuple[int, str]:
+    """`kvbench validate configs/<name>.yaml` as a user runs it, from the repository root: (exit code, output)."""
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    here = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        result = CliRunner().invoke(app, ["validate", f"configs/{name}.yaml"])
+    finally:
+        os.chdir(here)
+    return result.exit_code, result.output
+
+
+def cells(name: str) -> int:
+    """The cells `kvbench validate` counts in configs/<name>.yaml."""
+    code, output = validated(name)
+    found = re.search(r"ok, ([\d,]+) cells", output)
+    assert code == 0 and found, f"kvbench validate configs/{name}.yaml: {output[-300:]}"
+    return int(found.group(1).replace(",", ""))
+
+
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_validates(config):
-    if "../shared/" in config.read_text() and not (ROOT.parent / "shared").is_dir():
-        pytest.skip("reads ../shared/data, which is not next to this checkout")
-    assert expand(load_config(config))
+    """On a fresh clone: `kvbench validate` exits 0, and no config reads data from outside the repository."""
+    code, output = validated(config.stem)
+    assert code == 0, f"kvbench validate {config.name} exited {code}: {output[-300:]}"
+    assert "../" not in config.read_text().split("\nname:", 1)[-1], f"{config.name} reads a path outside the checkout"
 
 
 def test_the_docs_show_at_least_one_config():
@@ -213,3 +243,163 @@ def test_every_count_of_built_in_policies_the_docs_state_is_the_registry_count()
     assert ("policies.md", count) in stated, "policies.md no longer says how many built-in policies there are"
     wrong = [(name, n) for name, n in stated if n != count]
     assert not wrong, f"`kvbench policies` lists {count}; the docs say {wrong}"
+
+
+# --- numbers the docs quote: counted from the code -------------------------------------------------------------
+CONFIG_NAME = re.compile(r"configs/([\w.-]+)\.yaml")
+CELLS = re.compile(r"\b(\d[\d,]*) cells\b")
+
+
+def flat(text: str) -> str:
+    """Text with its line breaks and runs of spaces as one space: a phrase split over two lines still matches."""
+    return re.sub(r"\s+", " ", text)
+
+
+def config_cell_claims() -> list[tuple[str, str, int]]:
+    """(where, config, stated cells) for every "N cells" that names its config: in a config's comments (its own
+    count, or another config's named on the same line), and in the docs where the line or sentence names one config
+    (a command line in a shell block, or prose)."""
+    claims = []
+    for config in CONFIGS:
+        for number, line in enumerate(config.read_text().splitlines(), 1):
+            if line.lstrip().startswith("#"):
+                named = [n for n in CONFIG_NAME.findall(line) if n != config.stem]
+                for stated in CELLS.findall(line):
+                    claims.append((f"{config.name}:{number}", named[0] if named else config.stem, stated))
+    for page in PAGES:
+        text = page.read_text()
+        for body in re.findall(r"```(?:bash|console|sh)\n(.*?)```", text, flags=re.S):
+            for line in body.splitlines():
+                if len(set(CONFIG_NAME.findall(line))) == 1:
+                    claims += [(page.name, CONFIG_NAME.findall(line)[0], n) for n in CELLS.findall(line)]
+        for sentence in re.split(r"(?<=[.;:])\s+(?=[A-Z`(])", flat(prose(page))):
+            if len(set(CONFIG_NAME.findall(sentence))) == 1:
+                claims += [(page.name, CONFIG_NAME.findall(sentence)[0], n) for n in CELLS.findall(sentence)]
+    return [(where, name, int(stated.replace(",", ""))) for where, name, stated in claims]
+
+
+def test_the_docs_state_cell_counts_of_configs():
+    """The check below has something to check: the counts the docs are known to state."""
+    claimed = {(where.split(":")[0], name) for where, name, _ in config_cell_claims()}
+    for expected in [("zoo.yaml", "zoo"), ("README.md", "llama8b-quick"), ("README.md", "llama8b"),
+                     ("llama8b.yaml", "llama8b-quick"), ("scenarios.yaml", "scenarios"), ("policies.md", "zoo")]:
+        assert expected in claimed, f"no cell count of configs/{expected[1]}.yaml found in {expected[0]}"
+
+
+@pytest.mark.parametrize(("where", "name", "count"), config_cell_claims(),
+                         ids=[f"{w}:{n}:{c}" for w, n, c in config_cell_claims()])
+def test_every_cell_count_the_docs_state_is_what_validate_counts(where, name, count):
+    assert count == cells(name), f"{where} says configs/{name}.yaml has {count} cells; kvbench validate: {cells(name)}"
+
+
+def smoke_config():
+    return load_config(ROOT / "configs" / "smoke.yaml")
+
+
+def eviction_policies(config) -> list[str]:
+    """The config's eviction policies: a policy of the eviction family, its entries stored as they are."""
+    from kvbench.policies import POLICIES
+
+    return [p.name for p in config.policies
+            if POLICIES.get(p.name).family == "eviction" and "storage" not in p.canonical().get("params", {})]
+
+
+def stated(page: str, pattern: str) -> tuple[str, ...]:
+    """The groups of `pattern` in the page's prose (line breaks as spaces); the test fails if it is not there."""
+    found = re.search(pattern, flat(prose(ROOT / page)))
+    assert found, f"{page}: no longer says /{pattern}/ (update this test with the page)"
+    return found.groups()
+
+
+def test_the_demo_counts_are_smoke_yaml_s():
+    config = smoke_config()
+    policies, budgets, lengths = stated("README.md", r"over (\d+) policies, (\d+) budgets and (\d+) context lengths")
+    assert (int(policies), int(budgets), int(lengths)) == (
+        len(config.policies), len(config.budgets), len(config.context_lengths)), "README.md: the demo's grid"
+    (demo_cells,) = stated("README.md", r"two RULER subtasks and perplexity: (\d+) cells")
+    assert int(demo_cells) == cells("smoke"), f"README.md says the demo has {demo_cells} cells"
+    evicting, budgets = stated("docs/demo.md", r"over (\d+) eviction policies x (\d+) budgets")
+    assert int(evicting) == len(eviction_policies(config)), \
+        f"demo.md says {evicting} eviction policies; configs/smoke.yaml has {eviction_policies(config)}"
+    assert int(budgets) == len(config.budgets)
+    smoke, capacity = stated("docs/demo.md", r"(\d+) \+ (\d+) cells")
+    assert (int(smoke), int(capacity)) == (cells("smoke"), cells("capacity")), "demo.md: smoke + capacity cells"
+
+
+def test_the_readme_s_policy_count_is_the_registry_s():
+    (count,) = stated("README.md", r"\b(\d+) policies \(window")
+    assert int(count) == len(built_in_policies()), f"README.md says {count} policies; the registry has " \
+        f"{len(built_in_policies())}"
+
+
+def built_in_tasks() -> list[str]:
+    """The tasks `kvbench tasks` lists (a test's or a plugin's registered in this process left out)."""
+    from kvbench.tasks import TASKS
+
+    return [name for name in TASKS.names() if TASKS.get(name).__module__.startswith("kvbench.tasks.")]
+
+
+def test_the_tasks_page_covers_every_task_kvbench_tasks_lists():
+    rows = table_rows(ROOT / "docs" / "tasks.md")
+    assert rows and rows[0][1][0] == "task", "tasks.md opens with its `| task | ... |` table"
+    listed = [row[0].strip("`") for _, row in rows[2:] if row[0].startswith("`")]
+    names = built_in_tasks()
+    assert sorted(listed) == sorted(names), f"tasks.md's table: {sorted(listed)}; kvbench tasks: {sorted(names)}"
+    text = prose(ROOT / "docs" / "tasks.md")
+    detail = [name for name in names if f"- **`{name}`**" not in text]
+    assert not detail, f"tasks.md has no detail paragraph (`- **`name`**`) for {detail}"
+
+
+def test_the_gate_page_s_detectable_drops_are_the_gate_s():
+    from kvbench.gate import detectable_drop
+
+    claims = re.findall(r"n = (\d+): ~?([\d.]+) points", flat(prose(ROOT / "docs" / "gate.md")))
+    assert claims, "gate.md no longer sizes a gate (`n = 8: 50 points`)"
+    wrong = [(n, points, detectable_drop(int(n), 1.0)) for n, points in claims
+             if float(points) != detectable_drop(int(n), 1.0)]
+    assert not wrong, f"gate.md: (n, stated, kvbench.gate.detectable_drop(n, 1.0)): {wrong}"
+
+
+def test_the_readme_s_test_command_is_what_ci_runs():
+    """The README's `make test` is a Makefile target and what .ci/run runs; every `make X` the docs show is a
+    target; the torch version the README names is the one constraints.txt pins."""
+    readme = (ROOT / "README.md").read_text()
+    assert re.search(r"^make test\s+#.*\.ci/run", readme, flags=re.M), "README.md: `make test  # ... .ci/run ...`"
+    assert re.search(r"^make test\b", (ROOT / ".ci" / "run").read_text(), flags=re.M), ".ci/run does not run make test"
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.M))
+    shown = set()
+    for page in PAGES:
+        text = page.read_text()
+        blocks = "\n".join(re.findall(r"```(?:bash|console|sh)\n(.*?)```", text, flags=re.S))
+        shown |= {(page.name, t) for t in re.findall(r"`make ([\w-]+)`", text) + re.findall(r"^make ([\w-]+)", blocks,
+                                                                                                flags=re.M)}
+    missing = sorted(shown - {(page, t) for page, t in shown if t in targets})
+    assert not missing, f"no such Makefile target: {missing}"
+    pin = re.search(r"^torch==(\d+\.\d+)\.(\d+)", (ROOT / "constraints.txt").read_text(), flags=re.M)
+    assert pin, "constraints.txt pins no torch"
+    stated_pins = re.findall(r"the torch that `constraints.txt` pins \((\d+\.\d+)\)|asks for torch (\d+\.\d+\.\d+)",
+                             flat(prose(ROOT / "README.md")))
+    assert stated_pins, "README.md no longer names the torch constraints.txt pins"
+    for short, full in stated_pins:
+        assert short in ("", pin.group(1)) and full in ("", f"{pin.group(1)}.{pin.group(2)}"), \
+            f"README.md names torch {short or full}; constraints.txt pins {pin.group(0)}"
+
+
+def test_every_record_column_is_documented():
+    """Every key of a record a tiny run writes (and a threshold cell's) has a row or a mention in measurements.md."""
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    keys: set[str] = set()
+    for budget in ("64", "threshold=0.01"):
+        result = CliRunner().invoke(app, ["run", "-m", "random:tiny-llama", "-p", "h2o", "-b", budget, "-c", "256",
+                                          "-n", "1", "--max-new-tokens", "2", "--json"])
+        assert result.exit_code == 0, result.output[-400:]
+        for line in result.output.splitlines():
+            if line.startswith("{"):
+                keys |= set(json.loads(line))
+    assert "kept_max_ever" in keys, "a record without kept_max_ever: the run printed no records"
+    page = (ROOT / "docs" / "measurements.md").read_text()
+    missing = sorted(key for key in keys if f"`{key}`" not in page)
+    assert not missing, f"measurements.md does not name these record columns: {missing}"
