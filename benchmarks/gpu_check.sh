@@ -39,7 +39,7 @@ step() {  # step NAME BUDGET_S COMMAND...: run COMMAND within its budget, its ex
 print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, "nvml ok")'
     "$kvbench" estimate llama-3-8b -c 32768 --dtype bfloat16 -b 1024 --device-memory 140GiB
     step check 240 "$kvbench" check -m random:llama-3-8b --device cuda --dtype bfloat16 --context 16384 \
-        --json "$out/check.json"
+        --json-out "$out/check.json"
     step sweep 180 "$kvbench" sweep benchmarks/gpu/sweep.yaml -o "$out/sweep" --trace -q
     step pressure 120 "$kvbench" sweep benchmarks/gpu/pressure.yaml -o "$out/pressure" -q
     "$python" benchmarks/gpu/check.py "$out"

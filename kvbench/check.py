@@ -10,7 +10,8 @@ Each check is one line, passed, failed or skipped (what it cannot check here, an
              device peak covers the allocator's, a cap below the weights is refused, an out-of-memory under a cap
              is caught and its memory released; the NVML sampler's rate and its cost on a decode step
   timing     a decode step of `full` within `TIMING_LIMIT` of `model.generate`'s
-The report (`--json`) carries versions, device (name, UUID, MIG slice), dtype and kernel with every number.
+The report (`--json`, `--json-out`) carries versions, device (name, UUID, MIG slice), dtype and kernel with every
+number. `--no-timing` reports `timing` skipped: a speed verdict is only fair on cores no other work shares.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class CheckSettings:
     decode_steps: int = 8  # decode tokens a decode-time policy evicts through against its reference
     policies: tuple[str, ...] = CHECKABLE
     attention: str = "sdpa"  # model.generate's attention implementation, kvbench's reference (`reference_kernel`)
+    timing: bool = True  # judge decode speed; off where other work shares the cores, which slows kvbench unevenly
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.policies if name not in CHECKABLE]
@@ -509,7 +511,10 @@ def check_sampler(lm: LoadedModel, prompt: list[int], steps: int = 32, rounds: i
 
 def check_timing(lm: LoadedModel, prompt: list[int], settings: CheckSettings, rounds: int = 3) -> Check:
     """Median decode-step time of `full` against model.generate's (its N-token run less its 1-token run, per
-    token), interleaved so a noisy machine slows both."""
+    token), interleaved so a noisy machine slows both; skipped without `settings.timing`."""
+    if not settings.timing:
+        return Check("timing", "skip", "not judged (--no-timing): decode speed compares only on cores no other "
+                     "work shares")
     ours, theirs = [], []
     tokens = max(settings.new_tokens, 16)
     for _ in range(rounds):

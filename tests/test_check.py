@@ -105,11 +105,26 @@ def test_ties_count_as_ties_and_a_moved_entry_does_not():
 def test_cli_report_and_exit_codes(tmp_path):
     report = tmp_path / "check.json"
     result = CliRunner().invoke(app, ["check", "-m", "random:tiny-llama", "--context", "128", "--policies",
-                                      "snapkv,streaming_llm", "--json", str(report)])
+                                      "snapkv,streaming_llm", "--no-timing", "--json", "--json-out", str(report)])
     written = json.loads(report.read_text())
+    assert json.loads(result.stdout) == written  # --json: stdout holds the report alone, the lines go to stderr
+    assert "policy.snapkv.long" in result.stderr
     assert failed({c["name"]: c["status"] for c in written["checks"]}) == [], result.output
-    assert result.exit_code == (0 if written["passed"] else 1), result.output  # 1 only for the timing (see failed)
+    # no speed verdict asked: every check passes or is skipped, timing with its reason
+    assert result.exit_code == 0 and written["passed"] and written["settings"]["timing"] is False, result.output
+    timing = next(c for c in written["checks"] if c["name"] == "timing")
+    assert timing["status"] == "skip" and "--no-timing" in timing["detail"]
     assert written["environment"]["torch"] == torch.__version__
     assert {c["name"] for c in written["checks"]} >= {"generate.short", "policy.snapkv.long", "timing"}
     bad = CliRunner().invoke(app, ["check", "-m", "random:tiny-llama", "--policies", "snapkv,lagkv"])
     assert bad.exit_code == 2 and "lagkv" in bad.output and len(bad.output.strip().splitlines()) == 1
+
+
+def test_the_timing_verdict_is_skipped_without_timing_anything(tiny_llama, monkeypatch):
+    def untimed(*args, **kwargs):
+        raise AssertionError("timed")
+
+    monkeypatch.setattr(check, "stock_generate", untimed)
+    monkeypatch.setattr(check, "kvbench_generate", untimed)
+    result = check.check_timing(tiny_llama, [1, 2, 3], check.CheckSettings(timing=False))
+    assert result.status == "skip" and "--no-timing" in result.detail

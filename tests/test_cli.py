@@ -163,3 +163,23 @@ def test_kvbench_help_lists_every_command_with_a_whole_sentence():
     for name, command in group.commands.items():
         short = command.get_short_help_str(fits)
         assert short.endswith(".") and not short.endswith("...") and short in listed, f"kvbench {name}: {short}"
+
+
+@pytest.mark.parametrize("command", [["policies"], ["tasks"], ["estimate", "llama-3.1-8b", "-b", "0.5"],
+                                     [*TINY, "-p", "window", "-b", "64"]])
+def test_json_is_stdout_with_json_and_a_file_with_json_out(command, tmp_path):
+    """`--json` and `--json-out PATH` mean the same on every command that has a JSON form (check's is in
+    tests/test_check.py)."""
+    path = tmp_path / "out" / "listing.json"
+    printed = runner.invoke(app, [*command, "--json"])
+    written = runner.invoke(app, [*command, "--json-out", str(path)])
+    assert printed.exit_code == written.exit_code == 0, printed.output + written.output
+    assert "{" not in written.stdout.split("\n")[0]  # the human output stays
+    lines = path.read_text().splitlines()
+    as_json = [json.loads(line) for line in lines] if command[0] == "run" else json.loads(path.read_text())
+    shown = [json.loads(line) for line in printed.stdout.splitlines()] if command[0] == "run" else \
+        json.loads(printed.stdout)
+    if command[0] == "run":  # timings differ between two runs; what ran does not
+        as_json, shown = [(r["policy"], r["budget"], r["prediction"]) for r in as_json], \
+            [(r["policy"], r["budget"], r["prediction"]) for r in shown]
+    assert as_json == shown

@@ -78,6 +78,24 @@ def full_dtype_names(value: Any) -> Any:
     return canonical_dtype(value) if isinstance(value, str) else [canonical_dtype(dtype) for dtype in value]
 
 
+def json_flag(what: str) -> Any:
+    """`--json`, the same on every command that has a JSON form: `what` on stdout instead of the human output."""
+    return typer.Option(False, "--json", help=f"Print {what} on stdout instead of the human output.")
+
+
+def json_out(what: str) -> Any:
+    """`--json-out PATH`, beside `--json`: `what` written to a file, the human output kept."""
+    return typer.Option(None, "--json-out", metavar="PATH", dir_okay=False, help=f"Write {what} to PATH (with or "
+                        "without --json).")
+
+
+def write_json(text: str, path: Path | None) -> None:
+    """A command's JSON (`text`, from `json.dumps`) into `--json-out`'s file, whole, once the command has it all."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+
+
 DTYPE = typer.Option("auto", "--dtype", callback=full_dtype_names, help="auto (bfloat16 on GPU, float32 on CPU), "
                      "float32, bfloat16, float16 (or fp32, bf16, fp16).")
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from kvbench.cli.app import DTYPE, app, stdout, user_errors
+from kvbench.cli.app import DTYPE, app, json_flag, json_out, stderr, stdout, user_errors, write_json
 
+REPORT = "the report (versions, device, every number)"
 MARKS = {"pass": "[green]pass[/]", "fail": "[bold red]FAIL[/]", "skip": "[yellow]skip[/]"}
 
 
@@ -28,8 +29,10 @@ def check(
     attention: str = typer.Option("auto", "--attention", help="model.generate's attention implementation, the "
                                   "reference for full: sdpa, eager, flash_attention_2, ...; auto: sdpa, or eager "
                                   "where logits are soft-capped."),
-    json_path: Path | None = typer.Option(None, "--json", help="Write the report (versions, device, every "
-                                          "number) to this file."),
+    as_json: bool = json_flag(REPORT + " (the lines of each check go to stderr)"),
+    json_path: Path | None = json_out(REPORT),
+    timing: bool = typer.Option(True, "--timing/--no-timing", help="Judge decode speed against model.generate "
+                                "(--no-timing reports it skipped: for machines whose cores other work shares)."),
     seed: int = typer.Option(0, "--seed", help="Seed for random weights."),
 ) -> None:
     """Check kvbench on this model and device.
@@ -44,25 +47,28 @@ def check(
     started = time.perf_counter()
     lm = load_model(model, dtype=dtype, device=device, seed=seed)
     settings = CheckSettings(short=min(256, long), long=long, policies=names,
-                             attention=reference_kernel(lm, attention))
+                             attention=reference_kernel(lm, attention), timing=timing)
     described = lm.describe()
-    stdout.print(f"kvbench check: {escape(model)} ({described['architecture']}, {described['layers']} layers, "
+    lines = stderr if as_json else stdout  # stdout holds the JSON alone
+    lines.print(f"kvbench check: {escape(model)} ({described['architecture']}, {described['layers']} layers, "
                  f"{described['kv_heads']} KV heads x {described['head_dim']}) on {lm.device}, "
                  f"{described['dtype']}; prompts of {settings.short} and {settings.long} tokens; model.generate "
                  f"with {settings.attention} attention as the reference", highlight=False)
 
     def report(result) -> None:
-        stdout.print(f"  {MARKS[result.status]}  {result.name:<27} {escape(result.detail)}", highlight=False,
+        lines.print(f"  {MARKS[result.status]}  {result.name:<27} {escape(result.detail)}", highlight=False,
                      soft_wrap=True)
 
     checks = run_checks(lm, settings, report)
     seconds = time.perf_counter() - started
     counts = {status: sum(c.status == status for c in checks) for status in MARKS}
     summary = f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped in {seconds:.0f} s"
+    text = json.dumps(report_dict(lm, settings, checks, seconds), indent=2, default=str)
+    write_json(text, json_path)
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report_dict(lm, settings, checks, seconds), indent=2, default=str) + "\n")
         summary += f"; report: {json_path}"
-    stdout.print(summary, highlight=False)
+    lines.print(summary, highlight=False)
+    if as_json:
+        typer.echo(text)
     if counts["fail"]:
         raise typer.Exit(1)

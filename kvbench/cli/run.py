@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any, cast
 
 import typer
@@ -12,12 +13,15 @@ from kvbench.cli.app import (
     DTYPE,
     PLUGINS,
     app,
+    json_flag,
+    json_out,
     parse_assignments,
     parse_budget,
     policy_params,
     progress_bar,
     stdout,
     user_errors,
+    write_json,
 )
 from kvbench.errors import KvbenchError
 
@@ -52,7 +56,8 @@ def run(
     plugins: str | None = PLUGINS,
     fidelity: bool = typer.Option(False, "--fidelity", help="Run a full cache in lockstep and record KL, top-1 "
                                   "agreement, first divergence and attention recall (about one more decode per step)."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON record per sample instead of a table."),
+    as_json: bool = json_flag("one JSON record per sample (a line each, as each finishes)"),
+    json_path: Path | None = json_out("the JSON records, one per line,"),
     reference: bool = typer.Option(True, "--reference/--no-reference", help="Also run `full` on each sample: the "
                                    "row the policies compare with, as a sweep's summary has it."),
 ) -> None:
@@ -114,6 +119,7 @@ def run(
                 sys.stdout.write(json.dumps(record) + "\n")
                 sys.stdout.flush()
             progress.advance(bar)
+    write_json("\n".join(json.dumps(record) for record in records), json_path)
     if not as_json:
         from kvbench.tables import summary_table
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any, Literal, cast
 
 import typer
@@ -13,11 +14,14 @@ from kvbench.cli.app import (
     PLUGINS,
     app,
     full_dtype_names,
+    json_flag,
+    json_out,
     parse_assignments,
     parse_budget,
     stderr,
     stdout,
     user_errors,
+    write_json,
 )
 from kvbench.errors import KvbenchError
 from kvbench.estimate import human_bytes
@@ -83,6 +87,11 @@ def capacity_command(
                      highlight=False)
 
 
+ESTIMATE_JSON = ("one JSON object: the model, its shape (layers, kv_heads, head_dim, parameters) and `rows`, one per "
+                 "table row, with bytes as numbers, budget null for the full cache and fits null without "
+                 "--device-memory")
+
+
 @app.command(name="estimate")
 @user_errors
 def estimate_command(
@@ -97,10 +106,8 @@ def estimate_command(
                                      "25%); repeatable (the full cache is always shown)."),
     device_memory: str | None = typer.Option(None, "--device-memory", help="e.g. 80GiB: warn where cache plus "
                                                                              "weights do not fit."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table: the model, its "
-                                 "shape (layers, kv_heads, head_dim, parameters) and `rows`, one per table row, with "
-                                 "bytes as numbers, budget null for the full cache and fits null without "
-                                 "--device-memory."),
+    as_json: bool = json_flag(ESTIMATE_JSON),
+    json_path: Path | None = json_out(ESTIMATE_JSON),
 ) -> None:
     """Estimate a model's KV-cache memory without loading it.
 
@@ -111,9 +118,10 @@ def estimate_command(
     shape = model_shape(model)
     limit = None if device_memory is None else parse_bytes(device_memory)
     rows = estimate(shape, context, batch, dtype, [None, *(parse_budget(b, "estimate") for b in budget)], limit)
+    text = json.dumps({"model": model, **dataclasses.asdict(shape), "device_memory_bytes": limit, "rows": rows})
+    write_json(text, json_path)
     if as_json:
-        typer.echo(json.dumps({"model": model, **dataclasses.asdict(shape), "device_memory_bytes": limit,
-                               "rows": rows}))
+        typer.echo(text)
     else:
         stdout.print(estimate_table(model, shape, rows))
     over = [r for r in rows if r["fits"] is False]
@@ -122,14 +130,17 @@ def estimate_command(
                      "(weights + KV cache, before activations)", highlight=False, soft_wrap=True)
 
 
-JSON_LISTING = typer.Option(False, "--json", help="Print a JSON list, one object per entry, instead of the table.")
+LISTING_JSON = "a JSON list, one object per entry,"
 
 
-def print_listing(title: str, columns: tuple[str, ...], entries: list[dict[str, Any]], as_json: bool) -> None:
+def print_listing(title: str, columns: tuple[str, ...], entries: list[dict[str, Any]], as_json: bool,
+                  json_path: Path | None) -> None:
     """`entries` (one dict per row, keyed by `columns`, parameters as a dict) as JSON, as a table on a terminal,
     or as tab-separated rows, never cut or wrapped, when the output is a pipe or a file (`kvbench policies | grep`)."""
+    text = json.dumps(entries, default=str)
+    write_json(text, json_path)
     if as_json:
-        typer.echo(json.dumps(entries, default=str))
+        typer.echo(text)
         return
 
     def cell(value: Any) -> str:
@@ -148,7 +159,8 @@ def print_listing(title: str, columns: tuple[str, ...], entries: list[dict[str, 
 
 @app.command()
 @user_errors
-def policies(plugins: str | None = PLUGINS, as_json: bool = JSON_LISTING) -> None:
+def policies(plugins: str | None = PLUGINS, as_json: bool = json_flag(LISTING_JSON),
+             json_path: Path | None = json_out(LISTING_JSON)) -> None:
     """List the policies, their family, phases and parameters.
 
     Every eviction policy also takes `storage:` (a compression policy, e.g. `{quant: {bits: 4}}`) to keep what it
@@ -166,12 +178,13 @@ def policies(plugins: str | None = PLUGINS, as_json: bool = JSON_LISTING) -> Non
                         "parameters": {k: v for k, v in cls.params().items() if k != "storage"},
                         "description": first_line(cls)})
     print_listing("policies", ("name", "family", "phases", "needs_attention", "parameters", "description"), entries,
-                  as_json)
+                  as_json, json_path)
 
 
 @app.command()
 @user_errors
-def tasks(plugins: str | None = PLUGINS, as_json: bool = JSON_LISTING) -> None:
+def tasks(plugins: str | None = PLUGINS, as_json: bool = json_flag(LISTING_JSON),
+          json_path: Path | None = json_out(LISTING_JSON)) -> None:
     """List the tasks and their parameters."""
     from kvbench.registry import load_plugins
     from kvbench.tasks import TASKS
@@ -180,7 +193,7 @@ def tasks(plugins: str | None = PLUGINS, as_json: bool = JSON_LISTING) -> None:
         load_plugins(plugins)
     entries = [{"name": name, "parameters": TASKS.get(name).params(), "description": first_line(TASKS.get(name))}
                for name in TASKS.names()]
-    print_listing("tasks", ("name", "parameters", "description"), entries, as_json)
+    print_listing("tasks", ("name", "parameters", "description"), entries, as_json, json_path)
 
 
 @app.command(name="lm-eval", add_help_option=False,
