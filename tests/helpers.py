@@ -3,9 +3,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
+
 from kvbench.check import kept_masks
 from kvbench.policies import build_policy
 from kvbench.session import RunSettings, Session
+from kvbench.tolerance import forward_roundings, magnitude, relative_tolerance
 
 # what a policy needs on the tests' random models and has no default for: duoattention's head pattern (random:tiny-llama
 # and tiny-qwen2: 2 layers x 2 KV heads) and sinks that fit the tests' budgets
@@ -51,3 +55,35 @@ def assert_rejected_in_one_line(config, culprit: str, run) -> None:
         assert culprit in result.output, result.output
         assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
     assert not run.exists()
+
+
+# --- tolerances: from the dtype, the roundings and the values' magnitude (kvbench/tolerance.py) ----------------------
+
+def tolerance(expected, *, roundings: float, dtype: torch.dtype = torch.float32, floor: float = 1.0) -> float:
+    """The absolute tolerance for a result of `roundings` roundings in `dtype` whose magnitude is `expected`'s
+    (at least `floor`)."""
+    return relative_tolerance(dtype, roundings) * magnitude(expected, floor)
+
+
+def model_tolerance(lm, expected, floor: float = 1.0) -> float:
+    """`tolerance` for an output of `lm`'s forward (a logit, a log-probability, a perplexity's log) in its dtype."""
+    return tolerance(expected, roundings=forward_roundings(lm.model.config, lm.dtype), dtype=lm.dtype, floor=floor)
+
+
+def assert_close(actual, expected, *, roundings: float, dtype: torch.dtype = torch.float32, floor: float = 1.0,
+                 msg: str | None = None) -> None:
+    """`actual` within `tolerance` of `expected`: another order of the same arithmetic, nothing more."""
+    atol = tolerance(expected, roundings=roundings, dtype=dtype, floor=floor)
+    torch.testing.assert_close(torch.as_tensor(actual).double(), torch.as_tensor(expected).double(), rtol=0,
+                               atol=atol, msg=msg)
+
+
+def assert_model_close(lm, actual, expected, floor: float = 1.0, msg: str | None = None) -> None:
+    """`assert_close` for outputs of `lm`'s forward."""
+    assert_close(actual, expected, roundings=forward_roundings(lm.model.config, lm.dtype), dtype=lm.dtype,
+                 floor=floor, msg=msg)
+
+
+def model_approx(lm, expected, floor: float = 1.0):
+    """`pytest.approx(expected)` within `model_tolerance`: `==` for the same result, `!=` for a changed one."""
+    return pytest.approx(expected, rel=0, abs=model_tolerance(lm, expected, floor))
