@@ -9,6 +9,7 @@ from kvbench.cache import Phase
 from kvbench.policies import build_policy
 from kvbench.session import RunSettings, Session
 from tests.conftest import random_ids
+from tests.helpers import assert_model_close
 
 CONTEXT, CONTINUATION = random_ids(120, seed=11), random_ids(20, seed=12)
 
@@ -33,8 +34,7 @@ def scored(lm, policy: str, budget: int | None, chunk: int | None = None):
 @pytest.mark.parametrize("chunk", [None, 1, 7])
 def test_score_through_a_cache_that_holds_everything_is_the_models_own(tiny_llama, chunk):
     _, result = scored(tiny_llama, "window", budget=len(CONTEXT) + len(CONTINUATION), chunk=chunk)
-    torch.testing.assert_close(result.logprobs, one_pass_logprobs(tiny_llama, CONTEXT, CONTINUATION),
-                               atol=1e-5, rtol=1e-5)
+    assert_model_close(tiny_llama, result.logprobs, one_pass_logprobs(tiny_llama, CONTEXT, CONTINUATION))
     full, _ = scored(tiny_llama, "full", budget=None, chunk=chunk)
     assert full.cache.evictions == 0 and full.pending == CONTINUATION[-1:]
 
@@ -55,8 +55,7 @@ def test_a_fresh_session_scores_every_token_but_the_first(tiny_llama):
     session = Session(tiny_llama, build_policy("full"), RunSettings(), prompt_tokens=len(text), arrival=16)
     with session:
         result = session.score(text, chunk=16)
-    torch.testing.assert_close(result.logprobs, one_pass_logprobs(tiny_llama, text[:1], text[1:]),
-                               atol=1e-5, rtol=1e-5)
+    assert_model_close(tiny_llama, result.logprobs, one_pass_logprobs(tiny_llama, text[:1], text[1:]))
     assert session.cache.phase is Phase.DECODE  # the first chunk was the prompt, the rest streamed as decode
     assert session.measurements()["budget_scope"] == "none"
 
@@ -114,7 +113,7 @@ def test_a_generated_token_is_fed_with_what_comes_next(tiny_llama):
     stock = torch.tensor([CONTEXT + tokens + CONTINUATION[:3]])
     with torch.inference_mode():
         expected = tiny_llama.model(input_ids=stock).logits[:, -1]
-    torch.testing.assert_close(session.logits, expected, atol=1e-5, rtol=1e-5)
+    assert_model_close(tiny_llama, session.logits, expected)
     measured = session.measurements()
     assert measured["prompt_tokens"] == len(CONTEXT) + 4 and measured["generated_tokens"] == 5
 
