@@ -6,13 +6,15 @@
 # default benchmarks/results/gpu-<date>): one table, and exit 1 if anything is wrong. The log is OUT/check.log; commit
 # it with OUT/check.json.
 #
-# Time on one H200 (16 cores; expected, not yet measured), each step killed at its budget (check.py then fails it),
-# under 10 minutes in all:
-#   facts, `kvbench estimate`  ~15 s     budget  30 s (+ the estimate, ~5 s)
-#   kvbench check              ~2.5 min  budget 240 s: random init ~20 s, ~25 forwards of 16k tokens
-#   gpu/sweep.yaml             ~2 min    budget 180 s: random init on the GPU ~20 s, 4 cells x (warm-up + timed run)
-#   gpu/pressure.yaml          ~1.5 min  budget 120 s: 9 cells, the 99% ones out of memory at their first allocation
+# Time on one H200 (16 cores), measured 2026-12-04 (benchmarks/README.md), each step killed at its budget (check.py
+# then fails it), about 3.5 minutes in all:
+#   facts, `kvbench estimate`  8-11 s     budget  30 s
+#   kvbench check              97-113 s   budget 240 s: random init, ~25 forwards of 16k tokens
+#   gpu/sweep.yaml             50-53 s    budget 180 s: random init on the GPU, 4 cells x (warm-up + timed run)
+#   gpu/pressure.yaml          30-38 s    budget 120 s: 9 cells, the 99% ones out of memory at their first allocation
 #   check.py                   ~3 s
+# KVBENCH (default .venv/bin/kvbench), PYTHON and KVBENCH_COMMIT (the commit the log names, where the folder is not a
+# git checkout) say what runs.
 set -uo pipefail  # no -e: a failed step is recorded in OUT/<step>.exit, and the others still run
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results/gpu-$(date +%F)}
@@ -32,7 +34,7 @@ step() {  # step NAME BUDGET_S COMMAND...: run COMMAND within its budget, its ex
 }
 
 {
-    echo "# kvbench GPU check, $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    echo "# kvbench GPU check, $(date -u +%FT%TZ), commit ${KVBENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
     nvidia-smi --query-gpu=name,uuid,pci.bus_id,memory.total,driver_version,mig.mode.current --format=csv
     # the GPU machines have transformers 5.17: check.py warns when another version ran
     step facts 30 "$python" -c 'import torch, transformers, pynvml
