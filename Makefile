@@ -25,11 +25,12 @@ demo: install
 	$(BIN)/kvbench report results/smoke
 
 # kvbench check on both real models (about 1 and 2 minutes on 2 cores): the harness against model.generate and its
-# references there, as a user runs it on their own model
+# references there, as a user runs it on their own model; without its speed verdict, which other work on the same
+# cores can fail (`kvbench check` alone still judges it)
 test: install
 	$(BIN)/python -m pytest -q
-	$(BIN)/kvbench check -m smollm2-135m
-	$(BIN)/kvbench check -m gemma3-270m
+	$(BIN)/kvbench check -m smollm2-135m --no-timing
+	$(BIN)/kvbench check -m gemma3-270m --no-timing
 
 lint: install
 	$(BIN)/ruff check kvbench policies tasks tests benchmarks parity
