@@ -167,3 +167,49 @@ def estimate(shape: Shape, contexts: list[int], batches: list[int], dtypes: list
 
 def _tokens(budget: int | float, context: int) -> int:
     return max(1, round(budget * context)) if isinstance(budget, float) and budget <= 1 else int(budget)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """What `estimate_seconds` assumes a device sustains: FLOP/s, and bytes/s streamed from memory."""
+
+    flops: float
+    bandwidth: float
+
+
+# one large GPU (an H100's order: 2e14 dense bfloat16 FLOP/s reached, 1.5 of its 3.35 TB/s streamed in practice); 2 CPU
+# cores, calibrated on the embedded SmolLM2-135M in float32 (~450 prompt tokens/s, ~90 ms a decode step)
+SPEEDS = {"cuda": Throughput(2e14, 1.5e12), "cpu": Throughput(1.2e11, 6e9)}
+
+
+@dataclass(frozen=True)
+class CellWork:
+    """What one cell costs, as a time estimate counts it: `prompts` forwards of `prompt_tokens` tokens (none where
+    its sample group's shared forward already ran them) and `steps` decode steps of `rows` rows each."""
+
+    prompts: int
+    prompt_tokens: int
+    steps: int
+    rows: int
+
+    @property
+    def relative_cost(self) -> int:
+        """The cost without the model's shape (to order work units): prompt tokens run plus 40 per decode step (one
+        for the rows of a batch), as 2 CPU cores run a small model."""
+        return self.prompts * self.prompt_tokens + 40 * self.steps
+
+
+def estimate_seconds(work: list[CellWork], shape: Shape, dtype_bytes: float, speed: Throughput) -> float:
+    """A rough wall-time guess for one model's cells from its shape. A prompt of n tokens costs 2 x parameters x n
+    FLOPs plus its causal attention's 2 x layers x heads x head_dim x n^2; a decode step reads the weights and its
+    rows' full caches once, or computes 2 x parameters FLOPs a row, whichever takes longer. A floor: kernel launches,
+    Python and a policy's own work are not counted."""
+    parameters, heads = shape.parameters or 0, shape.heads or shape.kv_heads
+    seconds = 0.0
+    for cell in work:
+        n = cell.prompt_tokens
+        prompt_flops = 2 * parameters * n + 2 * shape.layers * heads * shape.head_dim * n * n
+        step_bytes = parameters * dtype_bytes + cell.rows * n * shape.bytes_per_token(dtype_bytes)
+        step = max(cell.rows * 2 * parameters / speed.flops, step_bytes / speed.bandwidth)
+        seconds += cell.prompts * prompt_flops / speed.flops + cell.steps * step
+    return seconds

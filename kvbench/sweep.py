@@ -26,7 +26,7 @@ import torch
 from kvbench.budgets import budget_suffix, budget_value, threshold_from
 from kvbench.config import SweepConfig
 from kvbench.errors import KvbenchError
-from kvbench.estimate import Shape, parse_bytes
+from kvbench.estimate import CellWork, parse_bytes
 from kvbench.measure import memory_pressure, tracing
 from kvbench.models import LoadedModel, load_model
 from kvbench.policies import POLICIES, Policy
@@ -631,32 +631,10 @@ def _failure(cell: Cell, exc: Exception) -> dict[str, Any]:
             "message": message.splitlines()[0] if message else type(exc).__name__, "finished": now()}
 
 
-@dataclass(frozen=True)
-class Throughput:
-    """What `estimate_seconds` assumes a device sustains: FLOP/s, and bytes/s streamed from memory."""
-
-    flops: float
-    bandwidth: float
-
-
-# one large GPU (an H100's order: 2e14 dense bfloat16 FLOP/s reached, 1.5 of its 3.35 TB/s streamed in practice); 2 CPU
-# cores, calibrated on the embedded SmolLM2-135M in float32 (~450 prompt tokens/s, ~90 ms a decode step)
-SPEEDS = {"cuda": Throughput(2e14, 1.5e12), "cpu": Throughput(1.2e11, 6e9)}
-
-
-@dataclass(frozen=True)
-class CellWork:
-    """What one cell costs, as a time estimate counts it: `prompts` forwards of `prompt_tokens` tokens (none where
-    its sample group's shared forward already ran them) and `steps` decode steps of `rows` rows each."""
-
-    prompts: int
-    prompt_tokens: int
-    steps: int
-    rows: int
-
-
 def cell_work(cells: list[Cell], share: bool, batch_size: int = 1) -> list[CellWork]:
-    prompts_run: set[str] = set()
+    """What each cell costs, as a time estimate counts it: its sample group's first cell runs the shared prompt
+    forwards, the others start from them."""
+    prompts_run: set[tuple[tuple[str, str], str, int, str]] = set()
     work = []
     for cell in cells:
         d = cell.description
@@ -670,27 +648,9 @@ def cell_work(cells: list[Cell], share: bool, batch_size: int = 1) -> list[CellW
     return work
 
 
-def estimate_seconds(cells: list[Cell], shape: Shape, dtype_bytes: float, speed: Throughput, share: bool,
-                     batch_size: int = 1) -> float:
-    """A rough wall-time guess for one model's cells from its shape. A prompt of n tokens costs 2 x parameters x n
-    FLOPs plus its causal attention's 2 x layers x heads x head_dim x n^2; a decode step reads the weights and its
-    rows' full caches once, or computes 2 x parameters FLOPs a row, whichever takes longer. A floor: kernel launches,
-    Python and a policy's own work are not counted."""
-    parameters, heads = shape.parameters or 0, shape.heads or shape.kv_heads
-    seconds = 0.0
-    for work in cell_work(cells, share, batch_size):
-        n = work.prompt_tokens
-        prompt_flops = 2 * parameters * n + 2 * shape.layers * heads * shape.head_dim * n * n
-        step_bytes = parameters * dtype_bytes + work.rows * n * shape.bytes_per_token(dtype_bytes)
-        step = max(work.rows * 2 * parameters / speed.flops, step_bytes / speed.bandwidth)
-        seconds += work.prompts * prompt_flops / speed.flops + work.steps * step
-    return seconds
-
-
 def token_work(cells: list[Cell], share: bool, batch_size: int = 1) -> float:
-    """How long `cells` take relative to others, without the model's shape (to order work units): prompt tokens run
-    plus 40 per decode step (one for the rows of a batch), as 2 CPU cores run a small model."""
-    return sum(work.prompts * work.prompt_tokens + 40 * work.steps for work in cell_work(cells, share, batch_size))
+    """How long `cells` take relative to others, without the model's shape (to order work units)."""
+    return sum(work.relative_cost for work in cell_work(cells, share, batch_size))
 
 
 def work_units(cells: list[Cell], share: bool) -> list[list[Cell]]:

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from kvbench.cli import app
 from kvbench.errors import KvbenchError
-from kvbench.estimate import SHAPES, estimate, model_shape, parse_bytes
+from kvbench.estimate import SHAPES, SPEEDS, estimate, estimate_seconds, model_shape, parse_bytes
 
 runner = CliRunner()
 
@@ -61,7 +61,7 @@ def test_a_sweeps_time_estimate_is_prompt_flops_plus_decode_steps_bound_by_their
     import yaml
 
     from kvbench.config import load_config
-    from kvbench.sweep import SPEEDS, estimate_seconds, expand
+    from kvbench.sweep import cell_work, expand
 
     config = tmp_path / "sweep.yaml"
     config.write_text(yaml.safe_dump({"name": "e", "model": "random:llama-3-8b", "policies": ["full"],
@@ -72,7 +72,7 @@ def test_a_sweeps_time_estimate_is_prompt_flops_plus_decode_steps_bound_by_their
     prompt = (2 * shape.parameters * 1000 + 2 * 32 * 32 * 128 * 1000**2) / gpu.flops
     step = (shape.parameters * 2 + 1000 * shape.bytes_per_token(2)) / gpu.bandwidth
     assert step > 2 * shape.parameters / gpu.flops  # a decode step waits on memory, not on arithmetic
-    assert estimate_seconds([cell], shape, 2, gpu, share=True) == pytest.approx(prompt + 16 * step)
+    assert estimate_seconds(cell_work([cell], share=True), shape, 2, gpu) == pytest.approx(prompt + 16 * step)
 
 
 @pytest.fixture

@@ -132,9 +132,9 @@ def _dry_run(path: str, cfg, cells, folder, share: bool, workers: int | None) ->
     """The grid's size and a rough time: summed, or on `workers` Ray workers taking the longest unit first. Runs
     nothing and needs neither the model's device nor the network: a model's size comes from its local config or a
     built-in shape, and what cannot be known is said."""
-    from kvbench.estimate import DTYPE_BYTES, offline_shape
+    from kvbench.estimate import DTYPE_BYTES, SPEEDS, estimate_seconds, offline_shape
     from kvbench.models import resolve_dtype
-    from kvbench.sweep import SPEEDS, cell_work, estimate_seconds, wall_seconds, work_units
+    from kvbench.sweep import cell_work, wall_seconds, work_units
 
     done = folder.done() if folder.manifest() else set()
     plans, unknown = {}, []
@@ -150,7 +150,7 @@ def _dry_run(path: str, cfg, cells, folder, share: bool, workers: int | None) ->
     if unknown:
         estimate = f"unknown: no local config or built-in shape for {', '.join(unknown)}"
     else:
-        seconds = [estimate_seconds(unit, *plans[unit[0].model], share, cfg.batch_size) for unit in units]
+        seconds = [estimate_seconds(cell_work(unit, share, cfg.batch_size), *plans[unit[0].model]) for unit in units]
         total = sum(seconds) if workers is None else wall_seconds(seconds, workers)
         estimate = f"~{total / 60:.1f} min" + ("" if workers is None else f" on {workers} Ray workers")
     speeds = {planned_device(model.device).type for model in cfg.model_grid()}
