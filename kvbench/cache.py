@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class CacheStats:
-    """Byte and count measurements of a cache at one moment (DESIGN.md section 5)."""
+    """Byte and count measurements of a cache at one moment (the record columns of docs/measurements.md)."""
 
     kv_bytes_live: int
     kv_bytes_physical: int

@@ -1,4 +1,4 @@
-"""The run folder (DESIGN.md section 6): manifest.json, records.jsonl, cells.jsonl.
+"""The run folder (docs/running.md#the-run-folder): manifest.json, records.jsonl, cells.jsonl.
 
 Records are appended and flushed one per finished sample, so a run killed at any moment loses at
 most the sample in flight; a line cut off by a kill is dropped on the next open, never fatal.
