@@ -16,7 +16,7 @@ from kvbench.policies import build_policy
 from kvbench.reference import h2o_reference, snapkv_reference
 from kvbench.session import RunSettings, Session, generate
 from tests.conftest import random_ids
-from tests.helpers import run_cache
+from tests.helpers import assert_model_close, run_cache
 
 FAMILIES = ["tiny-mistral", "tiny-mistral-sliding", "tiny-qwen3", "tiny-phi3", "tiny-gemma2", "tiny-gemma3",
             "tiny-mixtral"]
@@ -66,16 +66,16 @@ def ours(lm, policy: str, budget: int | None = None, **settings):
                     max_new_tokens=NEW_TOKENS, eos_token_ids=set())
 
 
-def assert_same_generation(result, tokens, logits):
+def assert_same_generation(lm, result, tokens, logits):
     """Same greedy tokens, logits equal up to summation order (a sliding layer's slots are not in position order)."""
     assert result.tokens == tokens
-    torch.testing.assert_close(result.last_logits, logits, atol=1e-5, rtol=1e-5)
+    assert_model_close(lm, result.last_logits, logits)
 
 
 @pytest.mark.parametrize("settings", [{}, {"prefill": "chunked", "prefill_chunk": 16}])
 def test_full_matches_generate(family, settings):
     tokens, logits = stock_generate(family, PROMPT)
-    assert_same_generation(ours(family, "full", **settings), tokens, logits)
+    assert_same_generation(family, ours(family, "full", **settings), tokens, logits)
 
 
 def test_window_covering_what_the_model_sees_matches_generate(family):
@@ -86,7 +86,7 @@ def test_window_covering_what_the_model_sees_matches_generate(family):
     budget = len(PROMPT) + NEW_TOKENS if global_layers else 2 * window_of(family)
     result = ours(family, "window", budget)
     assert result.measurements["evictions"] == 0
-    assert_same_generation(result, tokens, logits)
+    assert_same_generation(family, result, tokens, logits)
 
 
 @pytest.mark.parametrize("budget", [6, 24])  # below the sliding window (8): the policy evicts there too
@@ -184,4 +184,4 @@ def test_sliding_mask_follows_positions_after_decode_evictions(shape):
             expected = lm.model(input_ids=torch.tensor([PROMPT])).logits[:, -1]
     finally:
         lm.model.set_attn_implementation("kvbench")
-    torch.testing.assert_close(session.logits, expected, atol=1e-5, rtol=1e-5)
+    assert_model_close(lm, session.logits, expected)

@@ -27,7 +27,7 @@ from kvbench.results import RunFolder
 from kvbench.session import Prompt, RunSettings, Session, generate, generate_rows
 from kvbench.sweep import expand
 from tests.conftest import random_ids
-from tests.helpers import NEEDED_PARAMS
+from tests.helpers import NEEDED_PARAMS, assert_model_close
 from tests.test_sweep import ROOT, records_by_key, sweep, sweep_until, write_config
 
 runner = CliRunner()
@@ -208,7 +208,7 @@ def test_each_row_stops_at_its_own_end_of_sequence(sharp_llama, name, params):
     assert max(g.measurements["generated_tokens"] for g in alone) == 12
     for one, row in zip(alone, batched, strict=True):
         assert one.tokens == row.tokens and one.prediction == row.prediction
-        torch.testing.assert_close(row.last_logits, one.last_logits, atol=1e-4, rtol=1e-4)
+        assert_model_close(sharp_llama, row.last_logits, one.last_logits)
         for field, value in one.measurements.items():
             if field not in TIMING:
                 assert row.measurements[field] == value, field

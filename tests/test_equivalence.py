@@ -8,7 +8,7 @@ import torch
 from kvbench.policies import POLICIES, Policy, build_policy
 from kvbench.session import RunSettings, generate
 from tests.conftest import random_ids
-from tests.helpers import tiny_policy
+from tests.helpers import assert_model_close, tiny_policy
 
 NEW_TOKENS = 12
 
@@ -62,4 +62,4 @@ def test_full_chunked_or_agnostic_matches_generate(tiny_llama, settings):
     result = generate(tiny_llama, build_policy("full"), prompt[:250], prompt[250:], RunSettings(**settings),
                       max_new_tokens=NEW_TOKENS, eos_token_ids=set())
     assert result.tokens == tokens
-    torch.testing.assert_close(result.last_logits, logits, atol=1e-5, rtol=1e-5)
+    assert_model_close(tiny_llama, result.last_logits, logits)
