@@ -24,12 +24,12 @@ from xml.etree import ElementTree
 import numpy as np
 
 from kvbench.budgets import budget_suffix
+from kvbench.columns import Column, gated
 from kvbench.errors import KvbenchError
 from kvbench.results import RunFolder, now
 from kvbench.summary import bootstrap_ci
 
 FORMAT = "kvbench-baseline/1"
-SPEED = ("decode_tok_s", "prefill_tok_s")  # higher is better; ratios against full in the same run
 
 
 def _digest(text: str) -> str:
@@ -47,11 +47,12 @@ def cell_metrics(run: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, A
     for record in folder.records():
         if record["cell_id"] in manifest["cells"]:
             by_cell.setdefault(record["cell_id"], []).append(record)
+    speed = [c.name for c in gated("speed")]  # higher is better; ratios against full in the same run
     full_speed = {}
     for records in by_cell.values():
         cell = records[0]["cell"]
         if cell["policy"]["name"] == "full":  # full at the same batch size: ratios of like with like
-            full_speed[_pairing(cell), batch_size(records)] = {key: _mean(records, key) for key in SPEED}
+            full_speed[_pairing(cell), batch_size(records)] = {key: _mean(records, key) for key in speed}
     cells = {}
     for cell_id in manifest["cells"]:
         records = by_cell.get(cell_id, [])
@@ -74,14 +75,22 @@ def cell_metrics(run: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, A
             "score_ci": [low, high],
             "samples": scores,
             "predictions": {r["sample_id"]: _digest(r["prediction"]) for r in records},
-            **({"kl": {r["sample_id"]: r["kl_mean"] for r in records if r.get("kl_mean") is not None}}
-               if any(r.get("kl_mean") is not None for r in records) else {}),
-            "kv_bytes_peak": _mean(records, "kv_bytes_peak"),
-            "cache_ratio": _mean(records, "cache_ratio"),
-            "speed_vs_full": {key: _mean(records, key) / base[key] for key in SPEED if base.get(key)},
+            **_fidelity(records),
+            **{c.name: _mean(records, c.name) for c in gated("memory") + gated("kept")},
+            "speed_vs_full": {key: mean / base[key] for key in speed
+                              if base.get(key) and (mean := _mean(records, key)) is not None},
             "batch_size": batch_size(records),
         }
     return manifest, cells
+
+
+def _fidelity(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per sample, the fidelity column (KL from the full cache) where the cell measured it: the gate pairs it."""
+    out = {}
+    for c in gated("fidelity"):
+        if any(r.get(c.name) is not None for r in records):
+            out["kl"] = {r["sample_id"]: r[c.name] for r in records if r.get(c.name) is not None}
+    return out
 
 
 def batch_size(records: list[dict[str, Any]]) -> int:
@@ -288,9 +297,10 @@ def _compare(cell_id: str, label: str, base: dict[str, Any], run: dict[str, Any]
         if base.get("higher_is_better", True):  # 0/1-like fractions: a sample can fall at most 100 points
             check.detectable = detectable_drop(len(shared), limits.max_drop)
             # no drop it could show: not even all samples falling, or more than the baseline has to lose
-            blind = check.detectable is None or base["score"] * 100 < check.detectable
-            check.underpowered = blind or check.detectable > limits.max_drop
-            check.notes.append("can detect no drop" if blind else f"detects a drop of >= {check.detectable:.0f} points")
+            detectable = check.detectable
+            blind = detectable is None or base["score"] * 100 < detectable
+            check.underpowered = blind or (detectable is not None and detectable > limits.max_drop)
+            check.notes.append("can detect no drop" if blind else f"detects a drop of >= {detectable:.0f} points")
     if limits.max_kl_increase is not None and base.get("kl") and run.get("kl"):
         paired = sorted(set(base["kl"]) & set(run["kl"]))
         rise = np.array([run["kl"][s] - base["kl"][s] for s in paired], dtype=float)
@@ -298,11 +308,8 @@ def _compare(cell_id: str, label: str, base: dict[str, Any], run: dict[str, Any]
         if len(rise) and low > limits.max_kl_increase:
             check.reasons.append(f"KL from the full cache rose {rise.mean():+.4f} nats (95% CI [{low:+.4f}, "
                                  f"{high:+.4f}] is above +{limits.max_kl_increase:g})")
-    if base.get("kv_bytes_peak") and run.get("kv_bytes_peak") is not None:
-        check.memory = (base["kv_bytes_peak"], run["kv_bytes_peak"])
-        growth = run["kv_bytes_peak"] / base["kv_bytes_peak"] - 1
-        if growth > limits.max_mem_increase:
-            check.reasons.append(f"kv peak grew {growth:+.1%} (limit {limits.max_mem_increase:.0%})")
+    for index, c in enumerate(gated("memory")):
+        _memory(check, c, base, run, limits, shown=index == 0)
     if limits.max_slowdown is not None:
         for key, ratio in run.get("speed_vs_full", {}).items():
             before = base.get("speed_vs_full", {}).get(key)
@@ -312,6 +319,26 @@ def _compare(cell_id: str, label: str, base: dict[str, Any], run: dict[str, Any]
     if check.reasons:
         check.verdict = "fail"
     return check
+
+
+def _memory(check: Check, column: Column, base: dict[str, Any], run: dict[str, Any], limits: Limits,
+            shown: bool) -> None:
+    """A memory column fails beyond a relative increase; the first one is the gate table's memory column."""
+    before, after = base.get(column.name), run.get(column.name)
+    if not before or after is None:
+        return
+    if shown:
+        check.memory = (before, after)
+    growth = after / before - 1
+    if growth > limits.max_mem_increase:
+        heading = column.shown["gate"].heading if "gate" in column.shown else column.name
+        check.reasons.append(f"{heading} grew {growth:+.1%} (limit {limits.max_mem_increase:.0%})")
+
+
+def memory_heading() -> str:
+    """The gate table's heading for its memory column."""
+    first = gated("memory")[0]
+    return first.shown["gate"].heading if "gate" in first.shown else first.name
 
 
 def junit(checks: list[Check]) -> str:
@@ -330,7 +357,7 @@ def junit(checks: list[Check]) -> str:
 def markdown(checks: list[Check]) -> str:
     failed = sum(c.failed for c in checks)
     lines = [f"## kvbench gate: {'FAILED' if failed else 'passed'} ({failed} of {len(checks)} checks failed)", "",
-             "| cell | verdict | score (baseline -> run) | change, points [95% CI] | kv peak | why |",
+             f"| cell | verdict | score (baseline -> run) | change, points [95% CI] | {memory_heading()} | why |",
              "|---|---|---|---|---|---|"]
     for c in checks:
         score = "" if c.score is None else f"{c.score[0]:.2f} -> {c.score[1]:.2f}"

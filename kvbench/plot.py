@@ -15,6 +15,8 @@ import numpy as np
 import pandas as pd
 
 from kvbench.budgets import budget_order, budget_suffix, budget_text
+from kvbench.columns import column as declared
+from kvbench.columns import spread
 from kvbench.errors import KvbenchError
 from kvbench.results import MANIFEST, RunFolder
 from kvbench.summary import model_facets, param_text, summarize, task_key, task_labels
@@ -32,7 +34,7 @@ FIXED_COLOURS = {"full": "#000000", **dict(zip(
 VARIANT_STYLES = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", "--")]
 # `full` is a horizontal reference line, dashed; several of them (one per run compared) differ in their dashes
 FULL_LINES = ["--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))]
-STYLES = {
+STYLES: dict[str, dict[str, Any]] = {
     "default": {"figure.dpi": 110, "font.size": 9},
     # two-column paper: 3.4 in wide columns, fonts that embed as TrueType in PDF
     "paper": {"figure.dpi": 300, "font.size": 7, "axes.titlesize": 7, "axes.labelsize": 7, "legend.fontsize": 6,
@@ -70,12 +72,12 @@ class XAxis(NamedTuple):
 
 
 # the bytes a cache stores (the default), or the K/V bytes a decode step reads (a sparse policy stores full's)
-X_AXES = {
-    "stored": XAxis("cache_ratio", "cache ratio (kept / full KV bytes)", "kv_bytes_live", "KV cache held (MiB)",
-                    "ratio"),
-    "read": XAxis("read_ratio", "read ratio (K/V bytes read per decode step / full's)", "kv_bytes_read",
-                  "K/V read per decode step (MiB)", "read"),
-}
+def _axis(ratio: str, bytes_: str, name: str) -> XAxis:
+    return XAxis(ratio, declared(ratio).axis, bytes_, declared(bytes_).axis, name)
+
+
+X_AXES = {"stored": _axis("cache_ratio", "kv_bytes_live", "ratio"),
+          "read": _axis("read_ratio", "kv_bytes_read", "read")}
 
 
 def x_axis(x: str) -> XAxis:
@@ -137,10 +139,9 @@ def _figures(plt, frame: pd.DataFrame, records: list[dict[str, Any]], style: str
             out[f"nll_vs_position_{task}"] = _nll_curves(plt, nll_records, style)
         if "kl_mean" in rows and rows["kl_mean"].notna().any():  # fidelity to the full cache
             out[f"kl_vs_{x.name}_{task}"] = _score_curves(plt, rows, x.ratio, x.ratio_label, style, log_x,
-                                                          y="kl_mean", ylabel="KL(full || policy), nats per step")
+                                                          y="kl_mean", ylabel=declared("kl_mean").axis)
             out[f"recall_vs_{x.name}_{task}"] = _score_curves(plt, rows, x.ratio, x.ratio_label, style, log_x,
-                                                              y="attn_recall",
-                                                              ylabel="attention recall (full's mass kept)")
+                                                              y="attn_recall", ylabel=declared("attn_recall").axis)
             fidelity = [r for r in records if r["task_label"] == task and r.get("kl_by_position")]
             out[f"kl_vs_position_{task}"] = _nll_curves(plt, fidelity, style, "kl_by_position",
                                                         "KL(full || policy), smoothed", "generated token")
@@ -241,9 +242,10 @@ def _panels(plt, count: int, style: str, rows: int = 1):
 def _threshold_spread(axis, curve: pd.DataFrame, colour: str) -> None:
     """A threshold curve's points sit at their mean achieved cache ratio: a bar spans the samples' range of it, and
     each point names its threshold."""
+    low, high = spread("cache_ratio") or ("cache_ratio", "cache_ratio")
     xs = curve["cache_ratio"].to_numpy(dtype=float)
-    spread = [xs - curve["cache_ratio_min"].to_numpy(dtype=float), curve["cache_ratio_max"].to_numpy(dtype=float) - xs]
-    axis.errorbar(xs, curve["score"], xerr=spread, fmt="none", ecolor=colour, elinewidth=0.8, capsize=2)
+    bars = [xs - curve[low].to_numpy(dtype=float), curve[high].to_numpy(dtype=float) - xs]
+    axis.errorbar(xs, curve["score"], xerr=bars, fmt="none", ecolor=colour, elinewidth=0.8, capsize=2)
     for x, y, threshold in zip(xs, curve["score"], curve["threshold"], strict=True):
         axis.annotate(f"t={threshold:g}", (x, y), textcoords="offset points", xytext=(2, 3), fontsize="xx-small",
                       color=colour)
@@ -397,14 +399,13 @@ def _recall_by_layer(plt, records: list[dict[str, Any]], style: str):
 
 def _memory(plt, frame: pd.DataFrame, style: str):
     figure, axes = _panels(plt, 2, style)
-    for axis, column, label in ((axes[0], "kv_bytes_peak", "peak KV cache (MiB)"),
-                                (axes[1], "mem_peak_alloc", "peak process / allocator memory (MiB)")):
+    for axis, name in ((axes[0], "kv_bytes_peak"), (axes[1], "mem_peak_alloc")):
         for key, series in frame.groupby([frame.apply(_series_label, axis=1), "budget"], sort=False):
             series = series.sort_values("context_length")
-            name = key[0] if key[1] == "-" else f"{key[0]} b={key[1]}"
-            axis.plot(series["context_length"], series[column] / 2**20, marker="o",
-                      color=policy_colour(series["policy"].iloc[0]), label=name, alpha=0.8)
-        axis.set(xlabel="context length (tokens)", ylabel=label)
+            label = key[0] if key[1] == "-" else f"{key[0]} b={key[1]}"
+            axis.plot(series["context_length"], series[name] / 2**20, marker="o",
+                      color=policy_colour(series["policy"].iloc[0]), label=label, alpha=0.8)
+        axis.set(xlabel="context length (tokens)", ylabel=declared(name).axis)
         axis.grid(alpha=0.3)
     axes[0].legend(fontsize="x-small", ncol=2)
     figure.tight_layout()
@@ -414,16 +415,15 @@ def _memory(plt, frame: pd.DataFrame, style: str):
 def _speed(plt, frame: pd.DataFrame, style: str):
     budgets = sorted(frame["budget"].unique(), key=budget_order)
     figure, axes = _panels(plt, 2, style)
-    for axis, column, label in ((axes[0], "decode_tok_s", "decode tokens/s"), (axes[1], "ttft_s", "time to first "
-                                                                                                  "token (s)")):
+    for axis, measure in ((axes[0], "decode_tok_s"), (axes[1], "ttft_s")):
         for (name, length), series in frame.groupby([frame.apply(_series_label, axis=1), "context_length"],
                                                     sort=False):
             positions = [budgets.index(b) for b in series["budget"]]
             order = np.argsort(positions)
-            axis.plot(np.array(positions)[order], series[column].to_numpy()[order], marker="o",
+            axis.plot(np.array(positions)[order], series[measure].to_numpy()[order], marker="o",
                       color=policy_colour(series["policy"].iloc[0]), label=f"{name} L={length}", alpha=0.8)
         axis.set_xticks(range(len(budgets)), budgets)
-        axis.set(xlabel="budget (tokens, or ratio of the prompt)", ylabel=label)
+        axis.set(xlabel="budget (tokens, or ratio of the prompt)", ylabel=declared(measure).axis)
         axis.grid(alpha=0.3)
     axes[0].legend(fontsize="x-small", ncol=2)
     figure.tight_layout()

@@ -14,6 +14,7 @@ from typing import Any
 
 import pandas as pd
 
+from kvbench.columns import Display, view
 from kvbench.estimate import human_bytes
 from kvbench.results import RunFolder
 from kvbench.summary import MODEL_AXES, model_facets, summarize
@@ -139,22 +140,19 @@ def _setting(setting: tuple[str, str, str]) -> str:
 
 def latex(frame: pd.DataFrame) -> str:
     """booktabs tables, one per group; the best value of each column in bold."""
-    columns = [("score", "score", max), ("delta_vs_full", r"$\Delta$ vs full", max),
-               ("cache_ratio", "cache ratio", min), ("kv_bytes_peak", "kv peak (MiB)", min),
-               ("ttft_s", "TTFT (s)", min), ("tpot_s", "TPOT (ms)", min)]
-    scale = {"kv_bytes_peak": 2**-20, "tpot_s": 1000}
+    columns = [(c.name, d, max if c.better == "higher" else min) for c, d in view("latex")]
     out = []
     for key, group in frame.groupby(GROUP, sort=False):
         flip = {max: min} if not group["higher_is_better"].all() else {}  # perplexity: lower wins
         best = {c: flip.get(pick, pick)(group[c].dropna()) for c, _, pick in columns if group[c].notna().any()}
         lines = [r"\begin{table}[t]", r"\centering", r"\small",
                  r"\begin{tabular}{ll" + "r" * len(columns) + "}", r"\toprule",
-                 "policy & budget & " + " & ".join(title for _, title, _ in columns) + r" \\", r"\midrule"]
+                 "policy & budget & " + " & ".join(d.heading for _, d, _ in columns) + r" \\", r"\midrule"]
         for _, row in group.iterrows():
             cells = []
-            for column, _, _ in columns:
+            for column, display, _ in columns:
                 value = row[column]
-                text = "--" if pd.isna(value) else f"{value * scale.get(column, 1):.2f}"
+                text = "--" if pd.isna(value) else display.text(value)
                 cells.append(rf"\textbf{{{text}}}" if column in best and value == best[column] else text)
             name = _tex(row["policy"] + (f" ({row['params']})" if row["params"] else ""))
             lines.append(f"{name} & {_tex(row['budget'])} & " + " & ".join(cells) + r" \\")
@@ -485,11 +483,7 @@ def _short(text: str, frame: str = "{}") -> str:
 
 def _duration(seconds: float) -> str:
     """`57.7 ms`, `4.73 s`"""
-    return f"{seconds * 1000:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
-
-
-def _percent(fraction: float) -> str:
-    return f"{fraction * 100:.3g}%"
+    return Display("", "duration").text(seconds)
 
 
 def _with_ci(key: str, low: str, high: str, spec: str) -> Callable[[dict[str, Any]], str]:
@@ -520,19 +514,15 @@ def _summary_columns(frame: pd.DataFrame) -> list[Column]:
                text=False),
         Column("change vs full [95% CI]", "delta_vs_full", _with_ci("delta_vs_full", "delta_ci_low", "delta_ci_high",
                                                                     "+.2f"), _raw("delta_vs_full"), text=False),
-        Column("cache ratio", "cache_ratio", _formatted("cache_ratio", lambda v: f"{v:.3g}"), _raw("cache_ratio"),
-               text=False),
-        Column("KV peak", "kv_bytes_peak", _formatted("kv_bytes_peak", human_bytes), _raw("kv_bytes_peak"), text=False),
-        Column("TTFT", "ttft_s", _formatted("ttft_s", _duration), _raw("ttft_s"), text=False),
-        Column("per token", "tpot_s", _formatted("tpot_s", _duration), _raw("tpot_s"), text=False),
-        *([Column("batch", "batch_size", _formatted("batch_size", lambda v: f"{v:.0f}"), _raw("batch_size"),
-                  text=False)] if "batch_size" in frame and (frame["batch_size"] > 1).any() else []),
     ]
-    fidelity = [("KL", "kl_mean", lambda v: f"{v:.3g}"), ("top-1 agreement", "top1_agreement", _percent),
-                ("attention recall", "attn_recall", _percent), ("length ratio", "length_ratio", lambda v: f"{v:.3g}×")]
-    columns += [Column(title, key, _formatted(key, form), _raw(key), text=False) for title, key, form in fidelity
-                if key in frame]  # where the sweep measured them
+    # a column the run measured (fidelity only where a sweep asked for it; batch only where one batched)
+    columns += [_measure(c.name, d) for c, d in view("html")
+                if c.name in frame and (d.when_above is None or (frame[c.name] > d.when_above).any())]
     return [*columns, Column("status", "status", _status)]
+
+
+def _measure(key: str, display: Display) -> Column:
+    return Column(display.heading, key, _formatted(key, display.text), _raw(key), text=False)
 
 
 def _recommend_columns() -> list[Column]:
@@ -544,8 +534,7 @@ def _recommend_columns() -> list[Column]:
         Column("params", "params", lambda r: _short(r["params"]) if isinstance(r.get("params"), str) and r["params"]
                else ""),
         Column("budget", "budget", _text("budget")),
-        Column("cache ratio", "cache_ratio", _formatted("cache_ratio", lambda v: f"{v:.3g}"), _raw("cache_ratio"),
-               text=False),
+        *(_measure(c.name, d) for c, d in view("html") if c.name == "cache_ratio"),
         Column("score (full)", "score", lambda r: "" if _missing(r.get("score")) else
                f"{r['score']:.3g} ({r['full_score']:.3g})", _raw("score"), text=False),
         Column("change, CI low end", "delta_ci_low", _formatted("delta_ci_low", lambda v: f"{v:+.2f}"),

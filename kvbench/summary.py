@@ -12,15 +12,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kvbench import columns
 from kvbench.budgets import budget_order, budget_text, threshold_from
+from kvbench.columns import Column, Display, spread, view
 from kvbench.estimate import human_bytes
 from kvbench.results import RunFolder
 
 BOOTSTRAP_RESAMPLES = 2000
-MEASURES = ["cache_ratio", "kv_bytes_live", "kv_bytes_peak", "read_ratio", "kv_bytes_read", "kv_bytes_read_full",
-            "ttft_s", "tpot_s", "decode_tok_s", "prefill_tok_s", "mem_peak_alloc"]
-# fidelity to the full cache (kvbench/fidelity.py), where a sweep asked for it: means with bootstrap CIs
-FIDELITY = ["kl_mean", "kl_max", "top1_agreement", "attn_recall", "first_divergence"]
 # cells that share these see the same samples, so their scores pair up by sample id
 PAIRING = ["model", "task", "context_length", "question", "prefill", "samples", "seed"]
 # the robustness axes (`models:`, `dtypes:`): a run with several splits its tables, figures and recommendations
@@ -141,7 +139,7 @@ def _by_cell(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
 
 
 def _row(cell_id: str, records: list[dict[str, Any]], status: dict[str, Any] | None) -> dict[str, Any]:
-    cell = records[0]["cell"] if records else status["cell"]
+    cell = records[0]["cell"] if records else (status or {})["cell"]
     scores = {r["sample_id"]: r["scores"]["score"] for r in records}
     values = np.array(list(scores.values()), dtype=float)
     low, high = bootstrap_ci(values)
@@ -177,26 +175,46 @@ def _row(cell_id: str, records: list[dict[str, Any]], status: dict[str, Any] | N
     }
     for key in sorted({k for r in records for k in r["scores"]} - {"score"}):
         row[f"score_{key}"] = float(np.mean([r["scores"][key] for r in records if key in r["scores"]]))
-    for measure in MEASURES:
-        present = [r[measure] for r in records if r.get(measure) is not None]
-        row[measure] = float(np.mean(present)) if present else float("nan")
-    # the spread of the kept share over the samples: a threshold keeps each sample's own (figures draw it)
-    ratios = [r["cache_ratio"] for r in records if r.get("cache_ratio") is not None]
-    row["cache_ratio_min"], row["cache_ratio_max"] = (min(ratios), max(ratios)) if ratios else (np.nan, np.nan)
     row["_lengths"] = {r["sample_id"]: r["generated_tokens"] for r in records if r.get("generated_tokens")}
-    for measure in FIDELITY:
-        present = np.array([r[measure] for r in records if r.get(measure) is not None], dtype=float)
-        if any(measure in r for r in records):
-            row[measure] = float(present.mean()) if len(present) else float("nan")
-            row[f"{measure}_ci_low"], row[f"{measure}_ci_high"] = bootstrap_ci(present)
-    tokens = [r["budget_tokens"] for r in records if r.get("budget_tokens") is not None]
-    row["budget_tokens"] = float(np.mean(tokens)) if tokens else float("nan")
-    # the most samples it decoded together: its ttft_s, tpot_s and tokens/s are that batch's (records before
-    # batching decoded one)
-    row["batch_size"] = max((r.get("batch_size") or 1 for r in records), default=float("nan"))
+    for column in aggregated_columns():
+        row.update(AGGREGATORS[str(column.aggregate)](column, records))
     if status and status.get("message"):
         row["message"] = status["message"]
     return row
+
+
+def aggregated_columns() -> list[Column]:
+    """The columns the summary aggregates from records, in summary.csv's order."""
+    return [c for c in columns.COLUMNS if c.aggregate in AGGREGATORS]
+
+
+def _mean(column: Column, records: list[dict[str, Any]]) -> dict[str, float]:
+    present = [r[column.record_key] for r in records if r.get(column.record_key) is not None]
+    return {column.name: float(np.mean(present)) if present else float("nan")}
+
+
+def _mean_ci(column: Column, records: list[dict[str, Any]]) -> dict[str, float]:
+    """The mean with its bootstrap CI, where any record measured it (fidelity, asked for by a sweep)."""
+    key = column.record_key
+    if not any(key in r for r in records):
+        return {}
+    present = np.array([r[key] for r in records if r.get(key) is not None], dtype=float)
+    low, high = bootstrap_ci(present)
+    name = column.name
+    return {name: float(present.mean()) if len(present) else float("nan"), f"{name}_ci_low": low,
+            f"{name}_ci_high": high}
+
+
+def _extreme(pick: Any) -> Any:
+    def aggregate(column: Column, records: list[dict[str, Any]]) -> dict[str, Any]:
+        key = column.record_key
+        values = [r.get(key) or column.missing for r in records] if column.missing is not None else \
+            [r[key] for r in records if r.get(key) is not None]
+        return {column.name: pick(values) if values else np.nan}
+    return aggregate
+
+
+AGGREGATORS = {"mean": _mean, "mean_ci": _mean_ci, "min": _extreme(min), "max": _extreme(max)}
 
 
 def param_text(value: Any) -> str:
@@ -235,11 +253,15 @@ def _paired_deltas(frame: pd.DataFrame, records: list[dict[str, Any]]) -> None:
         base = reference.get(row["_pairing"])
         shared = sorted(set(row["_scores"]) & set(base)) if base else []
         if not shared or row["policy"] == "full":
-            deltas.append(float("nan")), lows.append(float("nan")), highs.append(float("nan"))
+            deltas.append(float("nan"))
+            lows.append(float("nan"))
+            highs.append(float("nan"))
             continue
-        diff = np.array([row["_scores"][s] - base[s] for s in shared], dtype=float)
+        diff = np.array([row["_scores"][s] - base[s] for s in shared], dtype=np.float64)
         low, high = bootstrap_ci(diff)
-        deltas.append(float(diff.mean())), lows.append(low), highs.append(high)
+        deltas.append(float(diff.mean()))
+        lows.append(low)
+        highs.append(high)
     frame["delta_vs_full"], frame["delta_ci_low"], frame["delta_ci_high"] = deltas, lows, highs
     del frame["_pairing"]
 
@@ -269,13 +291,11 @@ def _markdown_tables(frame: pd.DataFrame, heading: str) -> list[str]:
             ["task", "context_length", "question", "prefill"], sort=False):
         direction = "" if group["higher_is_better"].all() else " (score: lower is better)"
         pressure = (group["memory"] != "-").any()  # memory-pressure cells: say under which condition
-        batched = (group["batch_size"] > 1).any()  # times of a batch: say which batch size each cell's are
+        shown = [(c, d) for c, d in view("markdown") if d.when_above is None or (group[c.name] > d.when_above).any()]
         lines += [f"## {heading}{task}, {length} tokens, question {question}, prefill {prefill}{direction}", "",
                   "| policy | params | budget |" + (" memory |" if pressure else "") + " n | score | delta vs full | "
-                  "cache ratio | read ratio | kv peak MiB | ttft s | tpot ms |" + (" batch |" if batched else "")
-                  + " status |",
-                  "|---|---|---|" + ("---|" if pressure else "") + "---:|---:|---:|---:|---:|---:|---:|---:|"
-                  + ("---:|" if batched else "") + "---|"]
+                  + "".join(f"{d.heading} | " for _, d in shown).rstrip() + " status |",
+                  "|---|---|---|" + ("---|" if pressure else "") + "---:|---:|---:|" + "---:|" * len(shown) + "---|"]
         for _, r in group.iterrows():
             delta = "" if pd.isna(r["delta_vs_full"]) else \
                 f"{r['delta_vs_full']:+.2f} [{r['delta_ci_low']:+.2f}, {r['delta_ci_high']:+.2f}]"
@@ -283,23 +303,25 @@ def _markdown_tables(frame: pd.DataFrame, heading: str) -> list[str]:
                 f"{r['score']:.2f} [{r['score_ci_low']:.2f}, {r['score_ci_high']:.2f}]"
             lines.append(
                 f"| {r['policy']} | {r['params']} | {r['budget']} |" + (f" {r['memory']} |" if pressure else "")
-                + f" {r['n']} | {score} | {delta} | "
-                f"{_cache_ratio_text(r)} | {_num(r['read_ratio'], '.3f')} | "
-                f"{_num(r['kv_bytes_peak'] / 2**20, '.1f')} | "
-                f"{_num(r['ttft_s'], '.2f')} | {_num(r['tpot_s'] * 1000, '.0f')} |"
-                + (f" {_num(r['batch_size'], '.0f')} |" if batched else "") + f" {r['status']} |")
-        if batched:
+                + f" {r['n']} | {score} | {delta} | " + "".join(f"{_cell_text(r, c.name, d)} | " for c, d in shown)
+                .rstrip() + f" {r['status']} |")
+        if "batch_size" in {c.name for c, _ in shown}:
             lines += ["", "ttft and tpot are each batch's (every sample of a batch waits them); speeds of cells of "
                           "different batch sizes do not compare."]
         lines.append("")
     return lines
 
 
-def _cache_ratio_text(row: pd.Series) -> str:
-    """The mean cache ratio; a threshold cell's with its range over the samples (each keeps its own share)."""
-    if pd.isna(row["threshold"]) or pd.isna(row["cache_ratio"]):
-        return _num(row["cache_ratio"], ".3f")
-    return f"{row['cache_ratio']:.3f} ({row['cache_ratio_min']:.3f}-{row['cache_ratio_max']:.3f})"
+def _cell_text(row: pd.Series, name: str, display: Display) -> str:
+    """A value as the markdown table shows it; a threshold cell's with its range over the samples, where the
+    summary keeps one (each sample keeps its own share)."""
+    value = row[name]
+    if pd.isna(value):
+        return ""
+    bounds = spread(name)
+    if bounds is None or pd.isna(row["threshold"]):
+        return display.text(value)
+    return f"{display.text(value)} ({display.text(row[bounds[0]])}-{display.text(row[bounds[1]])})"
 
 
 def _num(value: float, spec: str) -> str:

@@ -9,6 +9,7 @@ import pandas as pd
 from rich.table import Table
 
 from kvbench.budgets import budget_text
+from kvbench.columns import Display, view
 from kvbench.estimate import human_bytes
 
 
@@ -23,49 +24,39 @@ def summary_table(records: list[dict[str, Any]], model: dict[str, Any]) -> Table
     groups = frame.groupby(["context_length", "label", "budget"], sort=False)
     table = Table(title=f"{model['spec']} ({model['layers']} layers, {model['kv_heads']} KV heads, "
                   f"{model['dtype']}, {model['device']})")
-    for column in ("context", "policy", "budget", "n", "score", "cache ratio", "read ratio", "kv peak", "kv live",
-                   "ttft s", "tpot ms"):
+    shown = view("terminal")
+    for column in ("context", "policy", "budget", "n", "score", *(d.heading for _, d in shown)):
         table.add_column(column, justify="left" if column in ("policy", "budget") else "right", no_wrap=True)
     for (length, name, budget), rows in groups:
         mean = rows.mean(numeric_only=True)
-        table.add_row(
-            str(length), name, budget, str(len(rows)), f"{mean['scores.score']:.2f}",
-            _number(mean, "cache_ratio", ".3f"), _number(mean, "read_ratio", ".3f"), _bytes(mean, "kv_bytes_peak"),
-            _bytes(mean, "kv_bytes_live"), _number(mean, "ttft_s", ".2f"),
-            _number(mean, "tpot_s", ".0f", 1000),
-        )
+        table.add_row(str(length), name, budget, str(len(rows)), f"{mean['scores.score']:.2f}",
+                      *(_number(mean, c.name, d) for c, d in shown))
     if not all(r.get("higher_is_better", True) for r in records):
         table.caption = "score: perplexity, lower is better"
     return table
 
 
-def _number(row, key: str, spec: str, scale: float = 1.0) -> str:
-    """A mean that some tasks do not measure (perplexity has no time to first token): '-' then."""
+def _number(row: Any, key: str, display: Display, blank: str = "-") -> str:
+    """A mean that some tasks do not measure (perplexity has no time to first token): `blank` then."""
     value = row.get(key)
-    return "-" if value is None or pd.isna(value) else format(value * scale, spec)
-
-
-def _bytes(row, key: str) -> str:
-    value = row.get(key)
-    return "-" if value is None or pd.isna(value) else human_bytes(value)
+    return blank if value is None or pd.isna(value) else display.text(value)
 
 
 def sweep_table(frame, title: str) -> Table:
     """The summary of a sweep, one row per cell (summary.md has the same, grouped)."""
     varying = [column for column in ("task", "question", "prefill") if frame[column].nunique() > 1]
     table = Table(title=f"{title}: score = mean [95% bootstrap CI]; delta = paired change vs full")
-    for column in (*varying, "context", "policy", "budget", "n", "score", "delta", "cache ratio", "read ratio",
-                   "kv peak", "status"):
+    shown = view("sweep")
+    headings = [d.heading for _, d in shown]
+    for column in (*varying, "context", "policy", "budget", "n", "score", "delta", *headings, "status"):
         table.add_column(column, no_wrap=column != "policy", justify="right" if column in (
-            "context", "n", "cache ratio", "read ratio", "kv peak") else "left")
+            "context", "n", *headings) else "left")
     for _, r in frame.iterrows():
         score = "" if pd.isna(r["score"]) else f"{r['score']:.2f} [{r['score_ci_low']:.2f},{r['score_ci_high']:.2f}]"
         delta = "" if pd.isna(r["delta_vs_full"]) else f"{r['delta_vs_full']:+.2f}"
         policy = f"{r['policy']} ({r['params']})" if r["params"] else r["policy"]
         table.add_row(*(str(r[c]) for c in varying), str(r["context_length"]), policy, r["budget"], str(r["n"]),
-                      score, delta, "" if pd.isna(r["cache_ratio"]) else f"{r['cache_ratio']:.3f}",
-                      "" if pd.isna(r.get("read_ratio")) else f"{r['read_ratio']:.3f}",
-                      "" if pd.isna(r["kv_bytes_peak"]) else human_bytes(r["kv_bytes_peak"]), r["status"])
+                      score, delta, *(_number(r, c.name, d, "") for c, d in shown), r["status"])
     return table
 
 
@@ -92,7 +83,9 @@ def recommend_table(choices, max_drop: float, facet: str = "") -> Table:
 def gate_table(checks: list, title: str) -> Table:
     """`kvbench gate`: one row per cell with its verdict and why."""
     table = Table(title=title)
-    for column in ("cell", "verdict", "score", "change [95% CI]", "kv peak", "why"):
+    from kvbench.gate import memory_heading
+
+    for column in ("cell", "verdict", "score", "change [95% CI]", memory_heading(), "why"):
         table.add_column(column)
     colour = {"pass": "green", "fail": "bold red", "missing": "yellow", "new": "yellow"}
     for c in checks:

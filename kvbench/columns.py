@@ -1,0 +1,180 @@
+"""Every record and summary column, declared once: its unit, what produces it, how the summary aggregates it, how
+tables show it, which way is better and what the gate does with it, and its axis label in figures. The summary,
+tables, report, gate and plot read this table; adding a column is an entry here and the code that produces it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbench.estimate import human_bytes
+
+# how the summary turns a cell's records into its row (None: the records keep the column, the summary does not)
+AGGREGATES = ("mean", "mean_ci", "min", "max", "paired", "score")
+# what the gate does with a column: keeps it in the baseline (`kept`), fails on a relative rise (`memory`), on a
+# fall of its ratio to full's in the same run (`speed`), on a paired per-sample rise (`fidelity`)
+GATE_ROLES = ("kept", "memory", "speed", "fidelity")
+
+
+@dataclass(frozen=True)
+class Display:
+    """A column in one rendered table: its heading and how a value reads (`value * scale` through a format spec,
+    or `bytes` / `duration`, then `suffix`)."""
+
+    heading: str
+    spec: str
+    scale: float = 1.0
+    suffix: str = ""
+    when_above: float | None = None  # shown only where some row's value exceeds this (batch: where one batched)
+
+    def text(self, value: Any) -> str:
+        if self.spec == "bytes":
+            return human_bytes(value)
+        if self.spec == "duration":  # `57.7 ms`, `4.73 s`
+            return f"{value * 1000:.3g} ms" if value < 1 else f"{value:.3g} s"
+        return format(value if self.scale == 1 else value * self.scale, self.spec) + self.suffix
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    unit: str
+    producer: str  # the module that writes it into a record (`summary`: the summary derives it)
+    aggregate: str | None = None  # one of AGGREGATES
+    source: str | None = None  # the record column aggregated, where not `name` (cache_ratio_min: cache_ratio)
+    missing: float | None = None  # what a record without it counts as (None: left out)
+    better: str | None = None  # "higher" / "lower": the gate's direction and the LaTeX table's bold
+    gate: str | None = None  # one of GATE_ROLES
+    axis: str = ""  # a figure's axis label
+    shown: dict[str, Display] = field(default_factory=dict)  # view -> how it reads there (see VIEWS)
+
+    @property
+    def record_key(self) -> str:
+        return self.source or self.name
+
+
+def _ratio(heading: str = "cache ratio") -> dict[str, Display]:
+    return {"markdown": Display(heading, ".3f"), "terminal": Display(heading, ".3f"),
+            "html": Display(heading, ".3g"), "latex": Display(heading, ".2f")}
+
+
+# the summary's columns in summary.csv's order, then what records hold that the summary leaves alone
+COLUMNS = [
+    Column("score", "task's unit", "tasks", "score", better="higher",
+           shown={"latex": Display("score", ".2f")}),
+    Column("cache_ratio", "fraction", "cache", "mean", better="lower", gate="kept",
+           axis="cache ratio (kept / full KV bytes)", shown=_ratio()),
+    Column("kv_bytes_live", "bytes", "cache", "mean", axis="KV cache held (MiB)",
+           shown={"terminal": Display("kv live", "bytes")}),
+    Column("kv_bytes_peak", "bytes", "cache", "mean", better="lower", gate="memory", axis="peak KV cache (MiB)",
+           shown={"markdown": Display("kv peak MiB", ".1f", 2**-20), "terminal": Display("kv peak", "bytes"),
+                  "html": Display("KV peak", "bytes"), "latex": Display("kv peak (MiB)", ".2f", 2**-20),
+                  "gate": Display("kv peak", "+.1%")}),
+    Column("read_ratio", "fraction", "cache", "mean", axis="read ratio (K/V bytes read per decode step / full's)",
+           shown={"markdown": Display("read ratio", ".3f"), "terminal": Display("read ratio", ".3f")}),
+    Column("kv_bytes_read", "bytes", "cache", "mean", axis="K/V read per decode step (MiB)"),
+    Column("kv_bytes_read_full", "bytes", "cache", "mean"),
+    Column("ttft_s", "s", "session", "mean", better="lower", axis="time to first token (s)",
+           shown={"markdown": Display("ttft s", ".2f"), "terminal": Display("ttft s", ".2f"),
+                  "html": Display("TTFT", "duration"), "latex": Display("TTFT (s)", ".2f")}),
+    Column("tpot_s", "s", "session", "mean", better="lower",
+           shown={"markdown": Display("tpot ms", ".0f", 1000), "terminal": Display("tpot ms", ".0f", 1000),
+                  "html": Display("per token", "duration"), "latex": Display("TPOT (ms)", ".2f", 1000)}),
+    Column("decode_tok_s", "tokens/s", "session", "mean", better="higher", gate="speed", axis="decode tokens/s"),
+    Column("prefill_tok_s", "tokens/s", "session", "mean", better="higher", gate="speed"),
+    Column("mem_peak_alloc", "bytes", "runner", "mean", axis="peak process / allocator memory (MiB)"),
+    # a threshold keeps each sample's own share: the spread over the samples (figures draw it)
+    Column("cache_ratio_min", "fraction", "cache", "min", source="cache_ratio"),
+    Column("cache_ratio_max", "fraction", "cache", "max", source="cache_ratio"),
+    # fidelity to the full cache, where a sweep asked for it: means with bootstrap CIs
+    Column("kl_mean", "nats per step", "fidelity", "mean_ci", better="lower", gate="fidelity",
+           axis="KL(full || policy), nats per step", shown={"html": Display("KL", ".3g")}),
+    Column("kl_max", "nats", "fidelity", "mean_ci"),
+    Column("top1_agreement", "fraction", "fidelity", "mean_ci",
+           shown={"html": Display("top-1 agreement", ".3g", 100, "%")}),
+    Column("attn_recall", "fraction", "fidelity", "mean_ci", axis="attention recall (full's mass kept)",
+           shown={"html": Display("attention recall", ".3g", 100, "%")}),
+    Column("first_divergence", "tokens", "fidelity", "mean_ci"),
+    Column("budget_tokens", "tokens", "session", "mean"),
+    # the most samples it decoded together: its times and tokens/s are that batch's (records before batching: one)
+    Column("batch_size", "sequences", "session", "max", missing=1,
+           shown={"markdown": Display("batch", ".0f", when_above=1), "html": Display("batch", ".0f", when_above=1)}),
+    # from pairs of cells: generated tokens over full's on the same samples, the score's paired change
+    Column("length_ratio", "ratio", "summary", "paired", shown={"html": Display("length ratio", ".3g", suffix="×")}),
+    Column("delta_vs_full", "task's unit", "summary", "paired", better="higher",
+           shown={"latex": Display(r"$\Delta$ vs full", ".2f")}),
+    Column("generated_tokens", "tokens", "session"),  # the summary pairs it into length_ratio
+    Column("prompt_tokens", "tokens", "session"),
+    Column("kv_bytes_physical", "bytes", "cache"),
+    Column("kv_bytes_full", "bytes", "cache"),
+    Column("kv_bytes_peak_own", "bytes", "runner"),
+    Column("kept_mean", "entries", "cache"),
+    Column("kept_max", "entries", "cache"),
+    Column("kept_max_ever", "entries", "cache"),
+    Column("evictions", "entries", "cache"),
+    Column("mem_peak_reserved", "bytes", "runner"),
+    Column("mem_peak_device", "bytes", "runner"),
+    Column("mem_group_peak_alloc", "bytes", "runner"),
+    Column("mem_group_peak_reserved", "bytes", "runner"),
+    Column("mem_group_peak_device", "bytes", "runner"),
+    Column("mem_baseline", "bytes", "runner"),
+    Column("mem_device_note", "text", "runner"),
+    Column("prefill_shared", "bool", "runner"),
+    Column("layer_kinds", "per layer", "session"),
+    Column("budget_scope", "text", "session"),
+    Column("kl_by_position", "nats per step", "fidelity"),
+    Column("attn_recall_by_layer", "fraction per layer", "fidelity"),
+    Column("nll_by_position", "nats per token", "tasks"),
+    # what the record is of: the cell and the sample (the summary reads them from the cell description)
+    *(Column(name, "text", "runner") for name in (
+        "cell_id", "cell", "model", "dtype", "task", "policy", "family", "budget", "context_length", "prefill",
+        "prefill_chunk", "question", "evict_every", "seed", "sample_id", "scenario", "higher_is_better")),
+    *(Column(name, "text", "tasks") for name in ("prediction", "references", "scores", "meta")),
+]
+BY_NAME = {column.name: column for column in COLUMNS}
+# which columns each rendered table shows, in its order (a column's `shown` says how it reads there)
+VIEWS = {
+    "markdown": ("cache_ratio", "read_ratio", "kv_bytes_peak", "ttft_s", "tpot_s", "batch_size"),
+    "terminal": ("cache_ratio", "read_ratio", "kv_bytes_peak", "kv_bytes_live", "ttft_s", "tpot_s"),
+    "sweep": ("cache_ratio", "read_ratio", "kv_bytes_peak"),
+    "html": ("cache_ratio", "kv_bytes_peak", "ttft_s", "tpot_s", "batch_size", "kl_mean", "top1_agreement",
+             "attn_recall", "length_ratio"),
+    "latex": ("score", "delta_vs_full", "cache_ratio", "kv_bytes_peak", "ttft_s", "tpot_s"),
+}
+
+
+def column(name: str) -> Column:
+    """The declaration of `name`; a KeyError names an undeclared column at once."""
+    return BY_NAME[name]
+
+
+def aggregated(kind: str) -> list[Column]:
+    """The columns the summary aggregates as `kind`, in summary.csv's order."""
+    return [c for c in COLUMNS if c.aggregate == kind]
+
+
+def spread(name: str) -> tuple[str, str] | None:
+    """The summary's (min, max) columns of column `name` over a cell's samples, where it has them."""
+    low = next((c.name for c in aggregated("min") if c.record_key == name), None)
+    high = next((c.name for c in aggregated("max") if c.record_key == name), None)
+    return (low, high) if low and high else None
+
+
+def gated(role: str) -> list[Column]:
+    return [c for c in COLUMNS if c.gate == role]
+
+
+def view(name: str) -> list[tuple[Column, Display]]:
+    """The columns a rendered table shows, with how each reads there (`sweep` reads like `terminal`)."""
+    shown_as = "terminal" if name == "sweep" else name
+    return [(BY_NAME[key], BY_NAME[key].shown[shown_as]) for key in VIEWS[name]]
+
+
+def formatter(name: str, view_name: str, blank: str = "") -> Callable[[Any], str]:
+    """A value of column `name` as view `view_name` shows it; `blank` for a missing one."""
+    import math
+
+    display = BY_NAME[name].shown[view_name]
+    return lambda value: blank if value is None or (isinstance(value, float) and math.isnan(value)) \
+        else display.text(value)

@@ -1,0 +1,85 @@
+"""kvbench/columns.py is the one home of a record column: every column a record has is declared there, every
+declared aggregate reaches the summary, and a column added to the table reaches the summary and the gate alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvbench import columns
+from kvbench.cli import app
+from kvbench.columns import COLUMNS, VIEWS, Column, Display
+from tests.test_gate import cells, make_run
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def sweep_run(tmp_path_factory) -> Path:
+    """A tiny sweep with fidelity: records as the producers write them, and their summary."""
+    from tests.test_sweep import TINY, sweep, write_config
+
+    folder = tmp_path_factory.mktemp("columns")
+    config = {**TINY, "policies": ["full", "h2o"], "budgets": [64], "samples": 1, "diagnostics": ["fidelity"]}
+    sweep(write_config(folder, config), folder / "run")
+    return folder / "run"
+
+
+def test_every_column_a_record_has_is_declared(sweep_run):
+    records = [json.loads(line) for line in (sweep_run / "records.jsonl").read_text().splitlines()]
+    undeclared = {key for record in records for key in record} - set(columns.BY_NAME)
+    assert not undeclared, f"declare these in kvbench/columns.py: {sorted(undeclared)}"
+
+
+def test_every_declared_aggregate_reaches_the_summary(sweep_run):
+    from kvbench.summary import summarize
+
+    frame = summarize(sweep_run, write=False)
+    missing = [c.name for c in COLUMNS if c.aggregate and c.name not in frame]
+    assert not missing, f"declared with an aggregate but not in the summary: {missing}"
+
+
+def test_the_declarations_are_whole():
+    assert len(columns.BY_NAME) == len(COLUMNS), "a column declared twice"
+    for column in COLUMNS:
+        assert column.aggregate in (None, *columns.AGGREGATES) and column.gate in (None, *columns.GATE_ROLES)
+        assert column.better in (None, "higher", "lower")
+    for view, names in VIEWS.items():
+        for column, display in columns.view(view):
+            assert isinstance(display, Display), (view, column.name)
+        assert len(names) == len(set(names))
+
+
+@pytest.fixture
+def extra_column(monkeypatch):
+    """A memory column added to the table and nowhere else."""
+    extra = Column("kv_bytes_extra", "bytes", "test", "mean", better="lower", gate="memory",
+                   shown={"gate": Display("kv extra", "+.1%")})
+    monkeypatch.setattr(columns, "COLUMNS", [*COLUMNS, extra])
+    monkeypatch.setitem(columns.BY_NAME, extra.name, extra)
+    return extra
+
+
+def _with_extra(run: Path, value: float) -> Path:
+    path = run / "records.jsonl"
+    records = [{**json.loads(line), "kv_bytes_extra": value} for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return run
+
+
+def test_a_column_added_to_the_table_reaches_the_summary_and_the_gate(tmp_path, extra_column):
+    from kvbench.summary import summarize
+
+    base = _with_extra(make_run(tmp_path / "base", cells()), 100)
+    assert summarize(base, write=False)["kv_bytes_extra"].tolist() == [100.0, 100.0]
+    made = runner.invoke(app, ["baseline", str(base), "--out", str(tmp_path / "baseline.json")])
+    assert made.exit_code == 0, made.output
+    assert all(cell["kv_bytes_extra"] == 100 for cell in json.loads((tmp_path / "baseline.json").read_text())[
+        "cells"].values())
+    run = _with_extra(make_run(tmp_path / "run", cells()), 200)
+    result = runner.invoke(app, ["gate", str(run), "--baseline", str(tmp_path / "baseline.json"), "--markdown",
+                                 str(tmp_path / "gate.md")])
+    assert result.exit_code == 1 and "kv extra grew +100.0%" in (tmp_path / "gate.md").read_text()
