@@ -4,7 +4,6 @@ tables, report, gate and plot read this table; adding a column is an entry here 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,12 +168,3 @@ def view(name: str) -> list[tuple[Column, Display]]:
     """The columns a rendered table shows, with how each reads there (`sweep` reads like `terminal`)."""
     shown_as = "terminal" if name == "sweep" else name
     return [(BY_NAME[key], BY_NAME[key].shown[shown_as]) for key in VIEWS[name]]
-
-
-def formatter(name: str, view_name: str, blank: str = "") -> Callable[[Any], str]:
-    """A value of column `name` as view `view_name` shows it; `blank` for a missing one."""
-    import math
-
-    display = BY_NAME[name].shown[view_name]
-    return lambda value: blank if value is None or (isinstance(value, float) and math.isnan(value)) \
-        else display.text(value)

@@ -77,8 +77,8 @@ def cell_metrics(run: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, A
             "predictions": {r["sample_id"]: _digest(r["prediction"]) for r in records},
             **_fidelity(records),
             **{c.name: _mean(records, c.name) for c in gated("memory") + gated("kept")},
-            "speed_vs_full": {key: mean / base[key] for key in speed
-                              if base.get(key) and (mean := _mean(records, key)) is not None},
+            "speed_vs_full": {key: mean / full for key in speed
+                              if (full := base.get(key)) and (mean := _mean(records, key)) is not None},
             "batch_size": batch_size(records),
         }
     return manifest, cells

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -205,7 +206,11 @@ def _mean_ci(column: Column, records: list[dict[str, Any]]) -> dict[str, float]:
             f"{name}_ci_high": high}
 
 
-def _extreme(pick: Any) -> Any:
+Aggregate = Callable[[Column, list[dict[str, Any]]], dict[str, Any]]
+
+
+def _extreme(pick: Callable[[list[Any]], Any]) -> Aggregate:
+    """The smallest or largest value over the records (a record without it counts as the column's `missing`)."""
     def aggregate(column: Column, records: list[dict[str, Any]]) -> dict[str, Any]:
         key = column.record_key
         values = [r.get(key) or column.missing for r in records] if column.missing is not None else \
@@ -214,7 +219,7 @@ def _extreme(pick: Any) -> Any:
     return aggregate
 
 
-AGGREGATORS = {"mean": _mean, "mean_ci": _mean_ci, "min": _extreme(min), "max": _extreme(max)}
+AGGREGATORS: dict[str, Aggregate] = {"mean": _mean, "mean_ci": _mean_ci, "min": _extreme(min), "max": _extreme(max)}
 
 
 def param_text(value: Any) -> str:
@@ -252,7 +257,7 @@ def _paired_deltas(frame: pd.DataFrame, records: list[dict[str, Any]]) -> None:
     for _, row in frame.iterrows():
         base = reference.get(row["_pairing"])
         shared = sorted(set(row["_scores"]) & set(base)) if base else []
-        if not shared or row["policy"] == "full":
+        if base is None or not shared or row["policy"] == "full":
             deltas.append(float("nan"))
             lows.append(float("nan"))
             highs.append(float("nan"))
