@@ -52,5 +52,6 @@ def magnitude(values: Any, floor: float = 1.0) -> float:
     """The size a relative tolerance scales with: the largest |value|, but at least `floor` so that values near zero
     (a log-probability of a sure token, a difference of nearly equal terms) keep the scale of what produced them."""
     tensor = torch.as_tensor(values).double()
-    largest = float(tensor.abs().max()) if tensor.numel() else 0.0
+    finite = tensor[tensor.isfinite()]  # an infinite entry (a masked score) compares as equal or not, by no scale
+    largest = float(finite.abs().max()) if finite.numel() else 0.0
     return max(largest, floor)

@@ -27,6 +27,7 @@ def test_the_magnitude_has_a_floor_for_values_near_zero():
     assert magnitude([-6.5, 2.0]) == 6.5
     assert magnitude([1e-9]) == 1.0 and magnitude([1e-9], floor=10.0) == 10.0
     assert magnitude(torch.empty(0)) == 1.0
+    assert magnitude([float("-inf"), -3.0, float("nan")]) == 3.0
 
 
 # Differences between two correct computations, measured (each the largest of its kind seen, then the date):
