@@ -179,7 +179,7 @@ class ChannelQuant(Codec):
 
     def forget_before(self, position: int) -> None:
         dead = position // self.group - self.first
-        if self.low is None or dead < self.low.shape[2] // 2:  # amortized: once half the table is dead
+        if self.low is None or self.scale is None or dead < self.low.shape[2] // 2:  # amortized: once half is dead
             return
         self.low, self.scale = self.low[:, :, dead:].clone(), self.scale[:, :, dead:].clone()
         self.first += dead
@@ -196,7 +196,7 @@ class ChannelQuant(Codec):
     def encode(self, x: torch.Tensor, positions: torch.Tensor, chosen: torch.Tensor, newest: int) -> Fields:
         rows = self._row_of(positions)
         used = newest // self.group - self.first + 1
-        self._grow(used, x)
+        table_low, table_scale = self._grow(used, x)
         # each chosen slot's channels reduce into its group's row; the others into a spare row past the end
         target = torch.where(chosen, rows, used)[..., None].expand_as(x)
         low = torch.full(x.shape[:2] + (used + 1, x.shape[-1]), float("inf"), device=x.device)
@@ -205,8 +205,8 @@ class ChannelQuant(Codec):
         high.scatter_reduce_(2, target, x.float(), "amax")
         low, high = low[:, :, :used], high[:, :, :used]
         touched = torch.isfinite(low)  # rows of the groups encoded now
-        self.low[:, :, :used] = torch.where(touched, low, self.low[:, :, :used])
-        self.scale[:, :, :used] = torch.where(touched, grid(low, high, self.bits), self.scale[:, :, :used])
+        table_low[:, :, :used] = torch.where(touched, low, table_low[:, :, :used])
+        table_scale[:, :, :used] = torch.where(touched, grid(low, high, self.bits), table_scale[:, :, :used])
         codes = quantize(x, *self._rows(positions), self.bits)
         return {"codes": pack(codes, self.bits)}
 
@@ -214,15 +214,16 @@ class ChannelQuant(Codec):
         codes = unpack(fields["codes"], self.bits, out)
         shape = codes.shape
         groups = self._groups(positions)
+        table_low, table_scale = self._table()
         if groups is None:  # a row per slot, gathered
             low, scale = self._rows(_as_tensor(positions, codes))
         else:  # whole token groups in order: each row serves its group's slots by broadcasting, nothing gathered
-            low, scale = self.low[:, :, groups, None], self.scale[:, :, groups, None]
+            low, scale = table_low[:, :, groups, None], table_scale[:, :, groups, None]
             codes = codes.unflatten(2, (-1, self.group))
         if out is not None:  # the codes were unpacked into `out`: decoded in place
             torch.addcmul(low.float(), codes, scale.float(), out=codes)
             return out
-        return torch.addcmul(low.float(), codes, scale.float()).to(self.low.dtype).view(shape)
+        return torch.addcmul(low.float(), codes, scale.float()).to(table_low.dtype).view(shape)
 
     def table_bytes(self, positions: Positions | None = None, held: torch.Tensor | None = None) -> int:
         if self.low is None:
@@ -233,6 +234,7 @@ class ChannelQuant(Codec):
         if isinstance(positions, range):  # counted on the host
             rows = (positions.stop - 1) // self.group - positions.start // self.group + 1 if positions else 0
             return self.low.shape[0] * self.low.shape[1] * rows * row_bytes
+        assert held is not None, "positions held per slot come with the slots that hold them"
         used = torch.zeros(self.low.shape[:3], dtype=torch.bool, device=self.low.device)
         used.scatter_(2, self._row_of(positions).clamp(0, self.low.shape[2] - 1), held)
         return int(used.sum()) * row_bytes  # a row counts once, however many of its tokens a head still holds
@@ -245,23 +247,31 @@ class ChannelQuant(Codec):
         return slice(first, first + len(positions) // self.group)
 
     def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        index = self._row_of(positions).clamp(0, self.low.shape[2] - 1)
-        return take_rows(self.low, index), take_rows(self.scale, index)
+        low, scale = self._table()
+        index = self._row_of(positions).clamp(0, low.shape[2] - 1)
+        return take_rows(low, index), take_rows(scale, index)
+
+    def _table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The zero-points and scales, which the first encode made."""
+        assert self.low is not None and self.scale is not None, "an entry is encoded before any is read"
+        return self.low, self.scale
 
     def _row_of(self, positions: torch.Tensor) -> torch.Tensor:
         return positions // self.group - self.first
 
-    def _grow(self, rows: int, like: torch.Tensor) -> None:
+    def _grow(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table, with at least `rows` rows."""
         have = 0 if self.low is None else self.low.shape[2]
         if rows <= have:
-            return
+            return self._table()
         rows = max(rows, 2 * have)  # amortized: the table grows by doubling
         shape = like.shape[:2] + (rows, like.shape[-1])
         low, scale = torch.zeros(shape, dtype=like.dtype, device=like.device), torch.ones(
             shape, dtype=like.dtype, device=like.device)
-        if have:
+        if self.low is not None and self.scale is not None:
             low[:, :, :have], scale[:, :, :have] = self.low, self.scale
         self.low, self.scale = low, scale
+        return low, scale
 
 
 @dataclass
@@ -285,6 +295,7 @@ class LowRank(Codec):
         return {"coefficients": (x.float() @ self.basis.float()).to(x.dtype)}
 
     def decode(self, fields: Fields, positions: Positions, out: torch.Tensor | None = None) -> torch.Tensor:
+        assert self.basis is not None, "the basis is fitted by the first encode"
         x = (fields["coefficients"].float() @ self.basis.float().transpose(-1, -2)).to(self.basis.dtype)
         return x if out is None else out.copy_(x)
 
@@ -342,6 +353,7 @@ class KeyChannels(Codec):
 
     def _index(self, like: torch.Tensor) -> torch.Tensor:
         """The kept channels' indices, one row per slot of `like` `[B, H, n, ...]`."""
+        assert self.channels is not None, "the key channels are chosen before the first entry is stored"
         return self.channels[:, :, None, :].expand(*like.shape[:3], self.kept)
 
 

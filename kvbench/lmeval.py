@@ -35,7 +35,7 @@ import sys
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
@@ -87,8 +87,9 @@ class KvbenchLM(HFLM):
     request's record."""
 
     def __init__(self, pretrained: str | LoadedModel = "smollm2-135m", policy: str | Policy = "full",
-                 budget: int | float | None = None, prefill: str = "full", prefill_chunk: int = 512,
-                 question: str | None = None, split_at: str | None = None, evict_every: int = 1,
+                 budget: int | float | None = None, prefill: Literal["full", "chunked"] = "full",
+                 prefill_chunk: int = 512, question: Literal["aware", "agnostic"] | None = None,
+                 split_at: str | None = None, evict_every: int = 1,
                  dtype: str = "auto", device: str | None = "auto", seed: int = 0, score_chunk: int = 1,
                  stream_chunk: int = 64, batch_size: int | str = 1, max_batch_size: int | None = None,
                  max_length: int | None = None, settings: RunSettings | None = None, **params: Any) -> None:
@@ -126,6 +127,7 @@ class KvbenchLM(HFLM):
 
     def _marker_start(self, text: str, where: str) -> int:
         """Where the marker's last occurrence in `text` begins; it must have text before it."""
+        assert self.marker is not None, "called only with split_at"
         found = [match.start() for match in self.marker.finditer(text)]
         if not found or found[-1] == 0:
             raise KvbenchError(f"split_at={self.split_at}: the context of {where} has "
@@ -172,6 +174,7 @@ class KvbenchLM(HFLM):
                         parent.append(question)
             if len(continuation) == 1 and not question and self._uncompressed_when_predicting(context):
                 warn_first_token_uncompressed()
+            assert parent is not None, "the first request compresses its context"
             with parent.fork() as session:
                 scored = session.score(continuation, chunk=self.score_chunk)
             logprob, greedy = float(scored.logprobs.sum()), bool(scored.greedy.all())

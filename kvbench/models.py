@@ -325,7 +325,8 @@ def load_model(spec: str, dtype: str = "auto", device: str = "auto", device_map:
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise KvbenchError(f"could not load model '{spec}': {first_line}") from None
         if not device_map:
-            model.to(target)
+            module: torch.nn.Module = model  # mypy reads transformers' @wraps-ed `to` as wanting `self` again
+            module.to(target)
     check_model_class(type(model))
     model.eval()
     forward_params = inspect.signature(model.forward).parameters
@@ -381,11 +382,12 @@ def _embedded_gguf(spec: str, embedded: EmbeddedModel) -> Path:
     paths = []
     for distribution, file in embedded.parts:
         try:
-            paths.append(Path(importlib.metadata.distribution(distribution).locate_file(file)))
+            paths.append(Path(str(importlib.metadata.distribution(distribution).locate_file(file))))
         except importlib.metadata.PackageNotFoundError:
             raise KvbenchError(f"model '{spec}' needs the package '{distribution}': {embedded.install}") from None
     if len(paths) == 1:
         return paths[0]
+    assert embedded.sha256 is not None, f"{spec}: a model in parts names the sha256 of the joined file"
     target = cache_dir() / "gguf" / f"{spec}-{embedded.sha256[:12]}.gguf"
     if target.exists():
         return target
@@ -418,9 +420,10 @@ def _converted_gguf(path: Path) -> Path:
     logging.getLogger("kvbench").warning("converting %s once into %s", path.name, target)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    # the weights are plain tensors now; drop the GGUF marker that blocks save_pretrained
+    # the weights are plain tensors now; drop the GGUF marker that blocks save_pretrained (written into the instance
+    # dict, as Module.__setattr__ would: torch types a module's attributes as tensors or modules only)
     del model.config.quantization_config
-    model.hf_quantizer = None
+    vars(model)["hf_quantizer"] = None
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".partial-"))
     try:
@@ -452,9 +455,11 @@ def _random_config(shape: str) -> transformers.PretrainedConfig:
 
 
 def _random_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int):
+    from transformers.models.auto.auto_factory import _get_model_class
+
     config = _random_config(shape)
     layer_kinds(config)
-    check_model_class(AutoModelForCausalLM._model_mapping[type(config)])
+    check_model_class(_get_model_class(config, AutoModelForCausalLM._model_mapping))  # the class from_config builds
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention.ATTENTION_NAME)

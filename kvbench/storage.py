@@ -50,6 +50,13 @@ class Layout:
     channel_scores: Callable[[LayerKV], torch.Tensor] | None = None
 
     @property
+    def recent_tokens(self) -> list[int]:
+        """The tokens each younger tier holds, newest first: every tier but the oldest says how many."""
+        recent = [tier.tokens for tier in self.tiers[:-1] if tier.tokens is not None]
+        assert len(recent) == len(self.tiers) - 1, f"{self.name}: a younger tier without its tokens"
+        return recent
+
+    @property
     def after_prompt(self) -> bool:
         """Whether the layout is fitted to the compressed prompt, so that plain layers hold the prompt until then."""
         return self.channel_scores is not None
@@ -85,8 +92,8 @@ class StoredLayerKV(LayerKV):
         self.final = layout.tiers[-1]
         self.fields: Fields = {}  # the oldest tier's per-slot fields, "keys.<name>" / "values.<name>"
         self.rings: list[Fields] = []  # each younger tier's ring, one cell per position modulo its size (+1 spare)
-        self.ring_sizes = [_round_up(t.tokens, layout.group) + (layout.group if i == 0 else 0)
-                           for i, t in enumerate(layout.tiers[:-1])]
+        self.ring_sizes = [_round_up(tokens, layout.group) + (layout.group if i == 0 else 0)
+                           for i, tokens in enumerate(layout.recent_tokens)]
         self.starts = [0] * len(self.ring_sizes)  # first position of each younger tier, newest first
         self.in_order = True  # slot s holds position s in every head: nothing was evicted (the host's to know)
 
@@ -117,6 +124,7 @@ class StoredLayerKV(LayerKV):
     def _adopt_entries(self, other: LayerKV) -> None:
         in_order = torch.arange(self.length, device=self.device).expand_as(self.live_positions())
         self.in_order = self.length == self.seen and torch.equal(self.live_positions(), in_order)
+        assert other.values is not None, "a layer adopted from holds entries"
         self._store(other.live_keys(), other.values[:, :, : self.length], new_from=0)
 
     def evict(self, evicted: torch.Tensor) -> None:
@@ -175,8 +183,12 @@ class StoredLayerKV(LayerKV):
             total += tier.keys.table_bytes(held) + tier.values.table_bytes(held)
         return total
 
+    def _positions(self) -> torch.Tensor:
+        assert self.positions is not None, "the slots are allocated before any is stored or moved"
+        return self.positions
+
     def _buffers(self) -> list[torch.Tensor]:
-        return [self.positions, *self.fields.values(), *self.slot_stats.values()]
+        return [self._positions(), *self.fields.values(), *self.slot_stats.values()]
 
     def _allocate_entries(self, capacity: int) -> None:
         batch, heads, head_dim = self.owner.batch_heads_dim
@@ -236,8 +248,8 @@ class StoredLayerKV(LayerKV):
         earlier = self.starts
         before = [min(bound, first_new) for bound in (first_new, *earlier)]  # each tier's end at the last call
         self.starts, start = [], self.seen
-        for tier in self.layout.tiers[:-1]:  # each younger tier ends where the newer one starts, group-aligned
-            start = max(0, (start - tier.tokens) // self.layout.group * self.layout.group)
+        for tokens in self.layout.recent_tokens:  # each younger tier ends where the newer one starts, group-aligned
+            start = max(0, (start - tokens) // self.layout.group * self.layout.group)
             self.starts.append(start)
         after = [self.seen, *self.starts, 0]
         # tier i holds positions [after[i + 1], after[i]); those beyond what it held before join it now
@@ -251,7 +263,7 @@ class StoredLayerKV(LayerKV):
         for index, (low, high) in enumerate(joining):
             if low < high:
                 slots = slice(low + offset, high + offset)
-                positions = self.positions[:, :, slots]
+                positions = self._positions()[:, :, slots]
                 self._encode(index, keys[:, :, slots], values[:, :, slots], slots, positions,
                              torch.ones_like(positions, dtype=torch.bool), newest=self.seen - 1)
 
