@@ -64,56 +64,71 @@ def run(
     """Compare policies on one task: quality, speed, cache memory.
 
     Each policy runs beside `full` on the same samples, without a run folder."""
-    from kvbench.budgets import Threshold
-    from kvbench.policies import build_policy
-    from kvbench.policies.base import takes_budget
+    from kvbench.budgets import Threshold, budget_description
+    from kvbench.config import ModelConfig, PolicySpec, PrefillConfig, SweepConfig, TaskSpec
+    from kvbench.estimate import canonical_dtype
+    from kvbench.policies import Policy, build_policy
     from kvbench.registry import load_plugins
     from kvbench.runner import evaluate
     from kvbench.session import RunSettings
-    from kvbench.tasks import build_task
+    from kvbench.sweep import Cell, expand
+    from kvbench.tasks import Sample, build_task
 
     if plugins:
         load_plugins(plugins)
-    # prefill and question stay text here: RunSettings checks them and names the allowed values
-    settings = [
-        RunSettings(budget=parse_budget(b), prefill=cast(Any, prefill), prefill_chunk=prefill_chunk,
-                    question=cast(Any, question), evict_every=evict_every, max_new_tokens=max_new_tokens,
-                    fidelity=fidelity)
-        for b in budget
-    ]
+    budgets = [parse_budget(b) for b in budget]
     routed = policy_params(policy, parse_assignments(param, "--param"))
     names = list(dict.fromkeys(["full", *policy] if reference else policy))
-    policies = [build_policy(name, routed.get(name, {})) for name in names]
-    for pol in policies:  # token budgets can be checked before the model loads; ratios only per prompt
-        for setting in settings:
-            if takes_budget(pol) and isinstance(setting.budget, int):
-                pol.check_budget(setting.budget)
-            if takes_budget(pol) and isinstance(setting.budget, Threshold):
-                pol.check_threshold()
+    for name in names:  # an unknown policy or parameter stops here, before it reaches a cell
+        build_policy(name, routed.get(name, {}))
     task_params = parse_assignments(task_param, "--task-param")
     if depth:
         task_params["depths"] = depth
     task_obj = build_task(task, task_params)
     if any(c < 1 for c in context):
         raise KvbenchError(f"context lengths must be positive, got {context}")
+    # the options checked here their own way, so the grid is built from them as they are (prefill and question stay
+    # text: the cells' settings check them and name the allowed values); a sweep's expansion makes the cells
+    grid = SweepConfig.model_construct(
+        name="run", model=ModelConfig.model_construct(id=model, dtype=canonical_dtype(dtype), device=device,
+                                                      device_map=device_map),
+        policies=[PolicySpec.model_construct(name=name, **routed.get(name, {})) for name in names],
+        budgets=[budget_description(b) for b in budgets], context_lengths=context,
+        tasks=[TaskSpec.model_construct(name=task, **task_params)],
+        prefill=PrefillConfig.model_construct(mode=cast(Any, prefill), chunk=prefill_chunk),
+        question=[cast(Any, question)],
+        samples=samples, seed=seed, evict_every=evict_every, max_new_tokens=max_new_tokens,
+        diagnostics=["fidelity"] if fidelity else [])
+    cells = expand(grid)
+    runs: dict[str, tuple[Policy, RunSettings]] = {}
+    for cell in cells:
+        pol, setting = cell.policy(), cell.settings()
+        if isinstance(setting.budget, int):  # token budgets can be checked before the model loads; ratios per prompt
+            pol.check_budget(setting.budget)
+        if isinstance(setting.budget, Threshold):
+            pol.check_threshold()
+        runs[cell.id] = pol, setting
 
     from kvbench.models import load_model
 
     lm = load_model(model, dtype=dtype, device=device, device_map=device_map, seed=seed)
-    work = []
-    for length in context:
-        for sample in task_obj.samples(lm.tokenizer, length, samples, seed):
-            for pol in policies:
-                # a budget means nothing to `full`: run it once per sample, not once per budget
-                for setting in settings[:1] if not takes_budget(pol) else settings:
-                    work.append((length, sample, pol, setting))
+    groups: dict[tuple, list[Cell]] = {}  # cells of one context length see the same samples
+    for cell in cells:
+        groups.setdefault(cell.group, []).append(cell)
+    work: list[tuple[Cell, Sample]] = []
+    for group in groups.values():
+        first = group[0].description
+        for sample in task_obj.samples(lm.tokenizer, first["context_length"], first["samples"], first["seed"]):
+            work.extend((cell, sample) for cell in group)
 
     records = []
     with progress_bar(disable=False) as progress:
         bar = progress.add_task("samples", total=len(work))
-        for length, sample, pol, setting in work:
-            progress.update(bar, description=f"{pol.name} L={length}")
-            record = evaluate(lm, task_obj, pol, sample, setting, length, seed)
+        for cell, sample in work:
+            d = cell.description
+            progress.update(bar, description=f"{d['policy']['name']} L={d['context_length']}")
+            pol, setting = runs[cell.id]
+            record = evaluate(lm, task_obj, pol, sample, setting, d["context_length"], d["seed"])
             records.append(record)
             if as_json:
                 sys.stdout.write(json.dumps(record) + "\n")
