@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -393,3 +394,19 @@ def test_lm_evals_log_outlives_a_command_whose_output_was_captured(capsys, monke
     logger.warning("a later record")
     err = capsys.readouterr().err
     assert "Logging error" not in err and "a later record" in err
+
+
+def test_a_tasks_missing_data_file_is_one_line(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from kvbench.cli import app
+
+    examples = Path(__file__).resolve().parents[1] / "examples" / "lm_eval"
+    monkeypatch.chdir(tmp_path)  # the example's data_files resolve from the repository root only
+    result = CliRunner().invoke(app, [
+        "lm-eval", "run", "--model", "kvbench", "--model_args", "pretrained=random:tiny-llama", "--tasks", "passkey",
+        "--include_path", str(examples), "--device", "cpu", "--limit", "1"])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert "passkey.jsonl" in lines[-1] and "relative to the folder you run from" in lines[-1], result.output
+    assert "Traceback" not in result.output

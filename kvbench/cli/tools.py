@@ -220,4 +220,8 @@ def lm_eval_command(ctx: typer.Context) -> None:
         lmeval.check_command_tasks(args)
     lmeval.log_to_current_stderr()
     sys.argv = ["lm-eval", *args]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except FileNotFoundError as exc:  # a task's local data_files, which lm-eval resolves from the current folder
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise KvbenchError(f"lm-eval: {first} (a task's data_files are relative to the folder you run from)") from None
