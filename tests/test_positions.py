@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from kvbench.policies import build_policy
 from kvbench.reference import reference_attention, stock_forward
 from tests.conftest import random_ids, sharpen
-from tests.helpers import assert_model_close, run_session
+from tests.helpers import assert_model_close, model_tolerance, run_session
 
 
 @pytest.mark.parametrize("name,params", [("window", {}), ("streaming_llm", {"sinks": 4}), ("h2o", {}),
@@ -56,4 +56,4 @@ def test_window_equals_model_run_on_kept_tokens_with_original_positions():
     # and RoPE really matters: contiguous positions give different logits
     contiguous = torch.arange(ids.shape[1])[None]
     shifted = lm.model(input_ids=ids, position_ids=contiguous, attention_mask=causal).logits[:, -1]
-    assert not torch.allclose(ours, shifted, atol=1e-2)
+    assert (ours - shifted).abs().max() > 100 * model_tolerance(lm, reference)  # far beyond rounding
