@@ -29,14 +29,12 @@ from kvbench.cache import KVCache, LayerKV
 from kvbench.errors import KvbenchError
 from kvbench.measure import Stopwatch, memory_pressure, open_nvml, tracing
 from kvbench.models import LoadedModel
-from kvbench.policies import build_policy
+from kvbench.policies import POLICIES, build_policy
 from kvbench.session import RunSettings, Session
 from kvbench.storage import StoredLayerKV
 from kvbench.tolerance import model_tolerance
 
 Status = Literal["pass", "fail", "skip"]
-# the policies checked by default, and every one `--policies` may name: those with a plain-loop reference
-CHECKABLE = ("snapkv", "h2o", "tova", "knorm", "streaming_llm")
 # kept sets against the reference (Jaccard index over layers x KV heads): ties broken otherwise and summation order
 # may move an entry at the margin, a wrong rule moves many
 AGREEMENT_MEAN, AGREEMENT_WORST = 0.99, 0.90
@@ -47,6 +45,19 @@ BUDGET_RATIO = 0.25
 NVML_RATE_HZ = 100.0
 # what an out-of-memory may leave allocated (the allocator's rounding, a cached rotary table)
 RELEASE_SLACK = 256 * 2**20
+
+
+def checkable() -> tuple[str, ...]:
+    """The policies checked by default, and every one `--policies` may name: those whose class itself defines its
+    plain-loop `reference`, built-in or plugin (a subclass is another policy: pyramidkv's is not snapkv's)."""
+    return tuple(name for name in POLICIES.names() if "reference" in vars(POLICIES.get(name)))
+
+
+def __getattr__(name: str) -> Any:
+    # `CHECKABLE` is read when asked: a plugin registered after this module's import is checkable too
+    if name == "CHECKABLE":
+        return checkable()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -63,14 +74,15 @@ class CheckSettings:
     long: int = 1024  # tokens of the long prompt (`--context`)
     new_tokens: int = 16
     decode_steps: int = 8  # decode tokens a decode-time policy evicts through against its reference
-    policies: tuple[str, ...] = CHECKABLE
+    policies: tuple[str, ...] = field(default_factory=checkable)
     attention: str = "sdpa"  # model.generate's attention implementation, kvbench's reference (`reference_kernel`)
     timing: bool = True  # judge decode speed; off where other work shares the cores, which slows kvbench unevenly
 
     def __post_init__(self) -> None:
-        unknown = [name for name in self.policies if name not in CHECKABLE]
+        known = checkable()
+        unknown = [name for name in self.policies if name not in known]
         if unknown:
-            raise KvbenchError(f"--policies: no reference for {', '.join(unknown)} (checkable: {', '.join(CHECKABLE)})")
+            raise KvbenchError(f"--policies: no reference for {', '.join(unknown)} (checkable: {', '.join(known)})")
         if not 16 <= self.short <= self.long:
             raise KvbenchError(f"--context {self.long} must be at least the short prompt's {self.short} tokens")
 
@@ -282,60 +294,6 @@ def kept_channels(cache: KVCache) -> list[torch.Tensor]:
     return masks
 
 
-def reference_history(lm: LoadedModel, policy: Any, prompt: list[int], decode: list[int], budget: int,
-                      ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor] | None]:
-    """The reference's kept masks (as `kept_history`), and for a prompt-scoring policy each layer's reference
-    scores `[kv_heads, n]` (ties in them may be broken either way)."""
-    from kvbench import reference
-
-    if policy.name == "h2o":
-        return reference.h2o_reference(lm, prompt, decode, budget, recent=round(budget * policy.recent_ratio)), None
-    if policy.name == "tova":
-        return reference.tova_reference(lm, prompt, decode, budget, per_head=policy.per_head), None
-    if policy.name == "streaming_llm":
-        return [_streaming_masks(lm, len(prompt) + step, budget, policy.sinks) for step in range(len(decode) + 1)], None
-    n = len(prompt)
-    if policy.name == "snapkv":  # the observation window is kept: it scores above everything
-        scores = [torch.cat([prefix, torch.full((lm.kv_heads, policy.window), float("inf"))], dim=1)
-                  for prefix in reference.snapkv_reference(lm, prompt, policy.window, policy.kernel, policy.pooling)]
-    else:  # knorm: the lowest key norms
-        scores = [-norms for norms in reference.key_norms(lm, prompt)]
-    # of what each layer still holds (a sliding one, its last window - 1 positions)
-    scores = [score.masked_fill(~_visible(lm, layer, n), float("-inf")) for layer, score in enumerate(scores)]
-    kept = [_top(score, _held(lm, layer, n, budget)) for layer, score in enumerate(scores)]
-    return [kept], scores
-
-
-def _held(lm: LoadedModel, layer: int, n: int, budget: int) -> int:
-    window = lm.layer_kinds[layer].window
-    return min(budget, n if window is None else window - 1)
-
-
-def _visible(lm: LoadedModel, layer: int, n: int) -> torch.Tensor:
-    """`[n]`: the positions of an `n`-token prompt a layer still holds (a sliding one, its last `window - 1`)."""
-    window = lm.layer_kinds[layer].window
-    return torch.arange(n) > (-1 if window is None else n - window)
-
-
-def _top(scores: torch.Tensor, held: int) -> torch.Tensor:
-    """`[kv_heads, n]`: the `held` best-scoring entries of each head (a score of -inf: not held at all)."""
-    kept = torch.zeros_like(scores, dtype=torch.bool)
-    kept.scatter_(1, scores.topk(held, dim=-1).indices, True)
-    return kept & (scores > float("-inf"))
-
-
-def _streaming_masks(lm: LoadedModel, seen: int, budget: int, sinks: int) -> list[torch.Tensor]:
-    """StreamingLLM after `seen` tokens: the first `sinks` positions and the most recent ones, `budget` in all, of
-    what each layer holds (a sliding layer no longer holds its sinks once the window passed them)."""
-    positions = torch.arange(seen, dtype=torch.float32)
-    rank = positions.masked_fill(positions < sinks, float("inf"))
-    masks = []
-    for layer in range(lm.num_layers):
-        scores = rank.masked_fill(~_visible(lm, layer, seen), float("-inf"))[None].expand(lm.kv_heads, seen)
-        masks.append(_top(scores, _held(lm, layer, seen, budget)))
-    return masks
-
-
 def agreement(ours: list[list[torch.Tensor]], theirs: list[list[torch.Tensor]],
               scores: list[torch.Tensor] | None = None) -> tuple[float, float]:
     """Mean and worst Jaccard index of the kept sets over steps x layers x KV heads. With reference `scores`, the
@@ -365,7 +323,7 @@ def check_policy(lm: LoadedModel, name: str, prompt: list[int], decode: list[int
         return Check(f"policy.{name}.{label}", "skip", f"{name} at {budget} of {len(prompt)} tokens: {exc}")
     steps = decode if policy.evicts_during_decode else []
     ours, policy = kept_history(lm, name, prompt, steps, budget)
-    theirs, scores = reference_history(lm, policy, prompt, steps, budget)
+    theirs, scores = policy.reference(lm, prompt, steps, budget)
     mean, worst = agreement(ours if scores is None else ours[:1], theirs, scores)
     passed = mean >= AGREEMENT_MEAN and worst >= AGREEMENT_WORST
     return Check(f"policy.{name}.{label}", _status(passed),

@@ -3,7 +3,8 @@ DynamicCache (slot index == position) that holds everything, attention masked to
 policy's rule applied over positions. The test suite checks the policies against these on tiny models, and
 `kvbench check` on the user's own model, dtype and device (kvbench/check.py), so they are bounded in memory:
 the attention weights are written out in float32, chunk by chunk over the queries, keeping each layer's column
-sums and the rows of the last queries only."""
+sums and the rows of the last queries only. A policy names its reference in its `reference` method (its file),
+which is what makes it checkable."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 NAME = "kvbench_reference"
 # float32 logits of one chunk of queries (256 MiB): a 32k-token prompt never holds its n x n weights
 CHUNK_ELEMENTS = 1 << 26
+# what `Policy.reference` returns: the kept masks `[kv_heads, seen]` per layer after the prompt and after each decode
+# token, and for a prompt-scoring policy each layer's scores `[kv_heads, n]` (ties in them may break either way)
+Reference = tuple[list[list[torch.Tensor]], list[torch.Tensor] | None]
 
 
 class ReferenceAttention:
@@ -255,3 +259,56 @@ def scissorhands_reference(lm, prompt: list[int], decode: list[int], budget: int
         return alive
 
     return simulate(lm, prompt, decode, rule)
+
+
+def held(lm, layer: int, n: int, budget: int) -> int:
+    """How many of an `n`-token prompt's entries a layer holds under `budget` (a sliding one, `window - 1` at most)."""
+    window = lm.layer_kinds[layer].window
+    return min(budget, n if window is None else window - 1)
+
+
+def visible(lm, layer: int, n: int) -> torch.Tensor:
+    """`[n]`: the positions of an `n`-token prompt a layer still holds (a sliding one, its last `window - 1`)."""
+    window = lm.layer_kinds[layer].window
+    return torch.arange(n) > (-1 if window is None else n - window)
+
+
+def top(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """`[kv_heads, n]`: the `count` best-scoring entries of each head (a score of -inf: not held at all)."""
+    kept = torch.zeros_like(scores, dtype=torch.bool)
+    kept.scatter_(1, scores.topk(count, dim=-1).indices, True)
+    return kept & (scores > float("-inf"))
+
+
+def prompt_kept(lm, scores: list[torch.Tensor], budget: int) -> Reference:
+    """A prompt-scoring policy's reference from its per-layer prompt `scores` `[kv_heads, n]`: the best `budget` of
+    what each layer still holds (a sliding one, its last window - 1 positions), and those scores."""
+    n = scores[0].shape[-1]
+    scores = [score.masked_fill(~visible(lm, layer, n), float("-inf")) for layer, score in enumerate(scores)]
+    return [[top(score, held(lm, layer, n, budget)) for layer, score in enumerate(scores)]], scores
+
+
+@torch.no_grad()
+def snapkv_kept(lm, prompt: list[int], budget: int, window: int, kernel: int, pooling: str) -> Reference:
+    """SnapKV's kept sets: the top of `snapkv_reference`'s scores, the observation window always (it scores above
+    everything)."""
+    return prompt_kept(lm, [torch.cat([prefix, torch.full((lm.kv_heads, window), float("inf"))], dim=1)
+                            for prefix in snapkv_reference(lm, prompt, window, kernel, pooling)], budget)
+
+
+def knorm_kept(lm, prompt: list[int], budget: int) -> Reference:
+    """Key norm's kept sets: the lowest key norms."""
+    return prompt_kept(lm, [-norms for norms in key_norms(lm, prompt)], budget)
+
+
+def streaming_llm_reference(lm, prompt: list[int], decode: list[int], budget: int, sinks: int) -> Reference:
+    """StreamingLLM after the prompt and each decode token: the first `sinks` positions and the most recent ones,
+    `budget` in all, of what each layer holds (a sliding layer no longer holds its sinks once the window passed
+    them)."""
+    history = []
+    for seen in range(len(prompt), len(prompt) + len(decode) + 1):
+        positions = torch.arange(seen, dtype=torch.float32)
+        rank = positions.masked_fill(positions < sinks, float("inf"))
+        history.append([top(rank.masked_fill(~visible(lm, layer, seen), float("-inf"))[None].expand(lm.kv_heads, seen),
+                            held(lm, layer, seen, budget)) for layer in range(lm.num_layers)])
+    return history, None

@@ -1,36 +1,12 @@
-"""Built-in KV-cache policies, one file each; importing this package registers them all."""
+"""Built-in KV-cache policies, one file each; importing this package imports every module in it, whose `@register`
+registers its policies: a new policy is its file."""
 
-from kvbench.policies import (  # noqa: F401
-    ada_kv,
-    adaptive,
-    chunkkv,
-    compose,
-    criticalkv,
-    duoattention,
-    expected_attention,
-    full,
-    h2o,
-    keydiff,
-    knorm,
-    kvzip,
-    lagkv,
-    lowrank,
-    merge,
-    mixed_precision,
-    pyramidkv,
-    quant,
-    quest,
-    random,
-    razorattention,
-    rkv,
-    scissorhands,
-    simlayerkv,
-    snapkv,
-    streaming_llm,
-    think,
-    tova,
-    window,
-)
+import importlib
+import pkgutil
+
 from kvbench.policies.base import POLICIES, Policy, build_policy, register
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["POLICIES", "Policy", "build_policy", "register"]

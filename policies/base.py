@@ -30,6 +30,7 @@ from kvbench.registry import Registry, declared_params
 if TYPE_CHECKING:
     from kvbench.cache import KVCache, LayerKV
     from kvbench.models import LoadedModel
+    from kvbench.reference import Reference
     from kvbench.session import Session
     from kvbench.storage import Layout
 
@@ -73,6 +74,9 @@ class Policy:
     family: ClassVar[str] = "eviction"
     # what `threshold_score` measures, in words (the docs' table); None: the policy takes no threshold budget
     threshold_scale: ClassVar[str | None] = None
+    # its colour in every figure (kvbench/plot.py), read from the class that declares it (a subclass is another
+    # policy); None: one picked from the palette by its name
+    colour: ClassVar[str | None] = None
     # the kept entries stored compressed: a storage policy's name, or {name: {params}}
     storage: str | dict[str, Any] | None = dataclasses.field(default=None, kw_only=True)
 
@@ -87,6 +91,11 @@ class Policy:
     def layout(self) -> Layout | None:
         """How the cache stores the entries: None for plain slots in the model dtype."""
         return None if self._storage is None else self._storage.layout()
+
+    def reference(self, lm: LoadedModel, prompt: list[int], decode: list[int], budget: int) -> Reference:
+        """What a plain loop written from the paper keeps (kvbench/reference.py) after `prompt` and each `decode`
+        token under `budget`; a policy whose class itself defines it is one `kvbench check` holds to it."""
+        raise NotImplementedError(f"policy '{self.name}' has no plain-loop reference")
 
     @property
     def kind(self) -> str:

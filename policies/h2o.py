@@ -7,6 +7,7 @@ import torch
 from kvbench.attention import attention_received
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import Policy, protect, recent_mask, register
+from kvbench.reference import Reference, h2o_reference
 
 
 @register
@@ -15,6 +16,7 @@ class H2O(Policy):
     """H2O (Zhang et al. 2023): heavy hitters by accumulated attention plus a recent window."""
 
     name = "h2o"
+    colour = "#009E73"
     threshold_scale = "mean attention weight received per query since the entry arrived (no recent window)"
     needs_attention = True
     recent_ratio: float = 0.5  # share of the budget kept for the most recent tokens
@@ -38,3 +40,6 @@ class H2O(Policy):
         # newer one compare on one scale. The recent window is a share of a token budget, which a threshold has not
         queries = (layer.next_position() - layer.live_positions()).clamp(min=1)
         return layer.slot_stat(self.state_key) / queries
+
+    def reference(self, lm, prompt, decode, budget) -> Reference:
+        return h2o_reference(lm, prompt, decode, budget, recent=round(budget * self.recent_ratio)), None

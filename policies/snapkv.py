@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from kvbench.attention import attention_probs
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import Policy, positive, register
+from kvbench.reference import Reference, snapkv_kept
 
 
 @register
@@ -23,6 +24,7 @@ class SnapKV(Policy):
     """
 
     name = "snapkv"
+    colour = "#0072B2"
     threshold_scale = "mean attention weight of the window's queries, pooled (kvpress DMSPress over SnapKVPress)"
     phases = ("prefill",)
     needs_attention = True
@@ -63,3 +65,6 @@ class SnapKV(Policy):
         pooled = pool(prefix, self.kernel, stride=1, padding=self.kernel // 2).reshape(batch, heads, n - window)
         ranked = torch.cat([pooled, votes.new_full((batch, heads, window), float("inf"))], dim=-1)
         return torch.empty_like(votes).scatter_(-1, order, ranked)
+
+    def reference(self, lm, prompt, decode, budget) -> Reference:
+        return snapkv_kept(lm, prompt, budget, self.window, self.kernel, self.pooling)

@@ -6,6 +6,7 @@ import torch
 
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import Policy, protect, register
+from kvbench.reference import Reference, streaming_llm_reference
 
 
 @register
@@ -14,6 +15,7 @@ class StreamingLLM(Policy):
     """StreamingLLM (Xiao et al. 2023): the first `sinks` tokens plus the most recent ones."""
 
     name = "streaming_llm"
+    colour = "#56B4E9"
     sinks: int = 4
 
     def __post_init__(self) -> None:
@@ -28,3 +30,6 @@ class StreamingLLM(Policy):
     def score(self, layer, budget: int) -> torch.Tensor:
         positions = layer.live_positions()
         return protect(positions.float(), positions < self.sinks)
+
+    def reference(self, lm, prompt, decode, budget) -> Reference:
+        return streaming_llm_reference(lm, prompt, decode, budget, self.sinks)

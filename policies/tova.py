@@ -6,6 +6,7 @@ import torch
 
 from kvbench.attention import attention_probs
 from kvbench.policies.base import Policy, register
+from kvbench.reference import Reference, tova_reference
 
 
 @register
@@ -14,6 +15,7 @@ class TOVA(Policy):
     """TOVA (Oren et al. 2024): evict the entry the newest query attends to least, averaged over the layer's heads."""
 
     name = "tova"
+    colour = "#882255"
     threshold_scale = "the newest query's attention weight (averaged over the layer's heads, or the KV head's)"
     needs_attention = True
     per_head: bool = False  # one choice per KV head (its query heads averaged) instead of one per layer
@@ -28,3 +30,6 @@ class TOVA(Policy):
 
     def score(self, layer, budget: int) -> torch.Tensor:
         return layer.slot_stat(self.state_key)
+
+    def reference(self, lm, prompt, decode, budget) -> Reference:
+        return tova_reference(lm, prompt, decode, budget, per_head=self.per_head), None

@@ -128,3 +128,27 @@ def test_the_timing_verdict_is_skipped_without_timing_anything(tiny_llama, monke
     monkeypatch.setattr(check, "kvbench_generate", untimed)
     result = check.check_timing(tiny_llama, [1, 2, 3], check.CheckSettings(timing=False))
     assert result.status == "skip" and "--no-timing" in result.detail
+
+
+def test_a_policy_with_a_reference_is_checkable_without_editing_check(tiny_llama, monkeypatch):
+    from kvbench.policies import POLICIES
+    from kvbench.policies.streaming_llm import StreamingLLM
+
+    class Sinks(StreamingLLM):  # a plugin: its own name, its reference beside it
+        name = "sinks_plugin"
+
+        def reference(self, lm, prompt, decode, budget):
+            from kvbench.reference import streaming_llm_reference
+
+            return streaming_llm_reference(lm, prompt, decode, budget, self.sinks)
+
+    class Unreferenced(StreamingLLM):  # a subclass is another policy: it does not inherit its parent's reference
+        name = "unreferenced_plugin"
+
+    for cls in (Sinks, Unreferenced):
+        monkeypatch.setitem(POLICIES._entries, cls.name, cls)
+    assert set(check.CHECKABLE) == {"snapkv", "h2o", "tova", "knorm", "streaming_llm", "sinks_plugin"}
+    settings = check.CheckSettings(short=64, long=64, decode_steps=4, policies=("sinks_plugin",))
+    result = check.check_policy(tiny_llama, "sinks_plugin", check.prompt_tokens(tiny_llama, 68)[:64],
+                                check.prompt_tokens(tiny_llama, 68)[64:], "short")
+    assert settings.policies == ("sinks_plugin",) and result.status == "pass", result.detail

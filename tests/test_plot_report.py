@@ -299,3 +299,42 @@ def test_the_drop_allowed_is_said_in_the_task_s_unit():
 
     assert tolerance(2, higher_is_better=True) == "2 points"
     assert tolerance(2, higher_is_better=False) == "2% of full's value"  # perplexity: relative to full's
+
+
+# every built-in policy's colour as plot.py gave it before the colours moved to the policies' own files, and two
+# names no policy has (a plugin's, picked from the palette by its name)
+COLOURS = {
+    "ada_kv": "#DDCC77", "adaptive": "#332288", "chunkkv": "#44AA99", "compose": "#661100", "criticalkv": "#F0E442",
+    "duoattention": "#999999", "expected_attention": "#009E73", "full": "#000000", "h2o": "#009E73",
+    "hybrid": "#44AA99", "keydiff": "#56B4E9", "knorm": "#117733", "kvzip": "#CC79A7", "lagkv": "#999999",
+    "lowrank": "#F0E442", "merge": "#88CCEE", "mixed_precision": "#CC79A7", "pyramidkv": "#332288",
+    "quant": "#D55E00", "quest": "#CC3311", "random": "#999999", "razorattention": "#332288", "rkv": "#332288",
+    "scissorhands": "#AA4499", "simlayerkv": "#009E73", "snapkv": "#0072B2", "streaming_llm": "#56B4E9",
+    "think": "#882255", "tova": "#882255", "window": "#E69F00", "my_plugin": "#661100", "foo": "#56B4E9",
+}
+
+
+def test_every_policy_keeps_its_colour():
+    from kvbench.plot import policy_colour
+    from kvbench.policies import POLICIES
+
+    assert set(POLICIES.names()) <= set(COLOURS)
+    assert {name: policy_colour(name) for name in COLOURS} == COLOURS
+
+
+def test_a_policy_declares_its_own_colour(monkeypatch):
+    from kvbench.plot import policy_colour
+    from kvbench.policies import POLICIES
+    from kvbench.policies.streaming_llm import StreamingLLM
+
+    class Painted(StreamingLLM):
+        name = "painted"
+        colour = "#123456"
+
+    class Unpainted(Painted):  # a subclass is another policy: it does not take its parent's colour
+        name = "unpainted"
+
+    for cls in (Painted, Unpainted):
+        monkeypatch.setitem(POLICIES._entries, cls.name, cls)
+    assert policy_colour("painted") == "#123456"
+    assert policy_colour("unpainted") != "#123456"
