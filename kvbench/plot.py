@@ -26,10 +26,6 @@ from kvbench.summary import model_facets, param_text, summarize, task_key, task_
 OKABE_ITO = ["#E69F00", "#56B4E9", "#009E73", "#0072B2", "#D55E00", "#CC79A7", "#F0E442", "#999999"]
 TOL_MUTED = ["#882255", "#332288", "#44AA99", "#117733", "#AA4499", "#DDCC77", "#88CCEE", "#661100"]
 # built-in policies whose files do not declare their `colour` yet: one line each there, then gone from here
-UNDECLARED_COLOURS = {"full": "#000000", "window": "#E69F00", "quant": "#D55E00", "mixed_precision": "#CC79A7",
-                      "lowrank": "#F0E442", "random": "#999999", "pyramidkv": "#332288", "hybrid": "#44AA99",
-                      "scissorhands": "#AA4499", "ada_kv": "#DDCC77", "merge": "#88CCEE", "compose": "#661100",
-                      "quest": "#CC3311"}  # Paul Tol's vibrant red: the sparse family, beyond the two palettes
 # variants of one policy (other parameters, a storage) share its colour and differ in marker and line
 VARIANT_STYLES = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", "--")]
 # `full` is a horizontal reference line, dashed; several of them (one per run compared) differ in their dashes
@@ -62,7 +58,7 @@ def policy_colour(policy: str) -> str:
     # the class's own: a subclass is another policy (pyramidkv is not snapkv)
     declared = vars(POLICIES.get(policy)).get("colour") if policy in POLICIES.names() else None
     palette = OKABE_ITO + TOL_MUTED
-    return declared or UNDECLARED_COLOURS.get(policy) or palette[zlib.crc32(policy.encode()) % len(palette)]
+    return declared or palette[zlib.crc32(policy.encode()) % len(palette)]
 
 
 class XAxis(NamedTuple):

@@ -15,6 +15,7 @@ class AdaKV(Wrapper):
     """Ada-KV (Feng et al. 2024): a layer's heads share its budget by score, each keeping at least a floor."""
 
     name = "ada_kv"
+    colour = "#DDCC77"
     phases = ("prefill",)
     needs_attention = True
     base: str | dict[str, Any] = "snapkv"  # whose scores (and layer budgets) are shared out: snapkv, pyramidkv

@@ -14,6 +14,7 @@ class Compose(Wrapper):
     """One policy compresses the prompt, another evicts generated tokens, within one total budget."""
 
     name = "compose"
+    colour = "#661100"
     needs_attention = True
     prefill: str | dict[str, Any] = "snapkv"  # a name, or {name: ..., params...}
     decode: str | dict[str, Any] = "h2o"
@@ -42,3 +43,4 @@ class Hybrid(Compose):
     """SnapKV for the prompt, then H2O for generated tokens (the usual advice for a long document + dialogue)."""
 
     name = "hybrid"
+    colour = "#44AA99"

@@ -11,5 +11,6 @@ class Full(Policy):
     """Keeps every entry: the reference every other policy is measured against."""
 
     name = "full"
+    colour = "#000000"
     phases = ()
     family = "none"

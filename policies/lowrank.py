@@ -19,6 +19,7 @@ class LowRankStorage(Policy):
     """
 
     name = "lowrank"
+    colour = "#F0E442"
     phases = ()
     family = "compression"
     rank: int = 32

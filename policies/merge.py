@@ -19,6 +19,7 @@ class Merge(Policy):
     stays represented in some entry."""
 
     name = "merge"
+    colour = "#88CCEE"
     family = "compression"
     recent: int = 32
     sinks: int = 4  # the first tokens stay unmerged: attention sinks (StreamingLLM) lose their role when averaged

@@ -20,6 +20,7 @@ class MixedPrecision(Policy):
     """
 
     name = "mixed_precision"
+    colour = "#CC79A7"
     phases = ()
     family = "compression"
     recent: int = 128

@@ -13,6 +13,7 @@ class PyramidKV(SnapKV):
     """PyramidKV (Cai et al. 2024): SnapKV scoring with per-layer budgets falling linearly with depth."""
 
     name = "pyramidkv"
+    colour = "#332288"
     threshold_scale = None  # its point is how a token budget spreads over the layers, which a threshold has not
     beta: float = 20.0  # the top layer keeps 1/beta of the average budget beyond the window
 

@@ -20,6 +20,7 @@ class Quant(Policy):
     """
 
     name = "quant"
+    colour = "#D55E00"
     phases = ()
     family = "compression"
     bits: Literal[2, 4, 8, 16] = 4

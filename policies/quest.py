@@ -24,6 +24,7 @@ class Quest(Policy):
     """
 
     name = "quest"
+    colour = "#CC3311"  # Paul Tol's vibrant red: the sparse family, beyond the two palettes
     phases = ()  # it evicts nothing
     family = "sparse"
     page_size: int = 16

@@ -13,6 +13,7 @@ class Random(Policy):
     """Control: keeps a uniformly random `budget` entries (any policy should beat it)."""
 
     name = "random"
+    colour = "#999999"
     seed: int = 0
     # one per row of a batch, each drawing what the row's own cache draws
     _generators: list[torch.Generator] = field(default_factory=list, init=False, repr=False, compare=False)

@@ -15,6 +15,7 @@ class Scissorhands(Policy):
     """Scissorhands (Liu et al. 2023): evict the entries most often unimportant over the last `history` queries."""
 
     name = "scissorhands"
+    colour = "#AA4499"
     needs_attention = True
     history: int = 32  # queries whose verdicts count
     recent: int = 16  # the newest entries are never evicted

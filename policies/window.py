@@ -13,6 +13,7 @@ class Window(Policy):
     """Sliding window: keeps the most recent `budget` entries."""
 
     name = "window"
+    colour = "#E69F00"
 
     def score(self, layer, budget: int) -> torch.Tensor:
         return layer.live_positions().float()
