@@ -15,7 +15,8 @@ from kvbench.errors import KvbenchError
 from kvbench.measure import memory_pressure
 from kvbench.models import LoadedModel
 from kvbench.policies import Policy
-from kvbench.session import RunSettings, generate_batch
+from kvbench.session import generate_batch
+from kvbench.settings import RunSettings
 from kvbench.tasks.corpus import haystack_text, load_corpus
 
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kvbench.budgets import THRESHOLD, Threshold, budget_description, threshold_from
 from kvbench.errors import KvbenchError, did_you_mean
-from kvbench.session import check_budget
+from kvbench.settings import check_budget
 
 # a budget as a config writes it: tokens per layer and KV head, a ratio of the prompt, or {threshold: t}
 BudgetSpec = int | float | dict[str, float]

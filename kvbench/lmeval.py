@@ -45,7 +45,8 @@ from kvbench.errors import KvbenchError, did_you_mean
 from kvbench.estimate import canonical_dtype
 from kvbench.models import LoadedModel, load_model
 from kvbench.policies import Policy, build_policy
-from kvbench.session import RunSettings, Session
+from kvbench.session import Session
+from kvbench.settings import RunSettings
 
 # what `--model_args` of `--model kvbench` takes, as `kvbench lm-eval --help` lists it; a test holds it to
 # KvbenchLM's signature

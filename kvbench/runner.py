@@ -11,7 +11,8 @@ from typing import Any
 from kvbench.budgets import budget_description
 from kvbench.models import LoadedModel
 from kvbench.policies.base import Policy, takes_budget
-from kvbench.session import Generation, RunSettings, SharedPrefill
+from kvbench.session import Generation, SharedPrefill
+from kvbench.settings import RunSettings
 from kvbench.tasks.base import Sample, Task, encode_prompt
 
 SPEED = ("ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s")

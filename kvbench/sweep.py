@@ -33,7 +33,8 @@ from kvbench.policies import POLICIES, Policy
 from kvbench.policies.base import batch_limit, takes_budget
 from kvbench.results import RunFolder, now, union_models
 from kvbench.runner import compressed_prompt, evaluate, evaluate_rows, repeat_timed
-from kvbench.session import RunSettings, SharedPrefill, compression_plan, shared_prefill, wanted_compressions
+from kvbench.session import SharedPrefill, shared_prefill, wanted_compressions
+from kvbench.settings import RunSettings, compression_plan
 from kvbench.tasks import TASKS, Sample, Task
 from kvbench.tasks.base import encode_prompt
 

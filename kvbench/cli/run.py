@@ -70,7 +70,7 @@ def run(
     from kvbench.policies import Policy, build_policy
     from kvbench.registry import load_plugins
     from kvbench.runner import evaluate
-    from kvbench.session import RunSettings
+    from kvbench.settings import RunSettings
     from kvbench.sweep import Cell, expand
     from kvbench.tasks import Sample, build_task
 

@@ -59,7 +59,7 @@ def capacity_command(
     from kvbench.estimate import parse_bytes
     from kvbench.models import load_model
     from kvbench.policies import build_policy
-    from kvbench.session import RunSettings
+    from kvbench.settings import RunSettings
 
     if (context is None) == (batch is None):
         raise KvbenchError("give either --context (find the largest batch) or --batch (find the longest context)")
