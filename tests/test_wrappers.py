@@ -18,7 +18,7 @@ from tests.helpers import run_session
 # Policy's public members that are not hooks: what a policy *is* (name, parameters, storage, statistic names),
 # not what the cache asks of it while running. A new member must be added here or be a @hook.
 NOT_HOOKS = {"budget_scope", "describe", "evicts_during_decode", "kind", "layout", "params", "state_key",
-             "check_threshold"}
+             "check_threshold", "reference"}
 ANSWERS = {"report": {}, "observers": [], "state_keys": [], "layer_budgets": [1], "active": True, "batch_limits": [],
            "bounded": True, "eviction_periods": []}
 
