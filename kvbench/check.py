@@ -53,13 +53,6 @@ def checkable() -> tuple[str, ...]:
     return tuple(name for name in POLICIES.names() if "reference" in vars(POLICIES.get(name)))
 
 
-def __getattr__(name: str) -> Any:
-    # `CHECKABLE` is read when asked: a plugin registered after this module's import is checkable too
-    if name == "CHECKABLE":
-        return checkable()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 @dataclass
 class Check:
     name: str

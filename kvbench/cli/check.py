@@ -39,10 +39,10 @@ def check(
 
     full equals model.generate, policies keep what their references keep, memory readings hold, decode speed. Exit
     1 if a check fails."""
-    from kvbench.check import CHECKABLE, CheckSettings, default_context, reference_kernel, report_dict, run_checks
+    from kvbench.check import CheckSettings, checkable, default_context, reference_kernel, report_dict, run_checks
     from kvbench.models import load_model, resolve_device
 
-    names = tuple(name.strip() for name in policies.split(",") if name.strip()) if policies else CHECKABLE
+    names = tuple(name.strip() for name in policies.split(",") if name.strip()) if policies else checkable()
     long = context or default_context(resolve_device(device))
     started = time.perf_counter()
     lm = load_model(model, dtype=dtype, device=device, seed=seed)
