@@ -238,17 +238,27 @@ def attention_probs(
                               out=buffer[:elements].view(batch, kv_heads, group * size, visible)).view(shape)
         if kind.softcap is not None:
             logits.div_(kind.softcap).tanh_().mul_(kind.softcap)
-        if ahead is not None and size > 1:  # causal mask: only the chunk's own trailing block has masked slots
-            logits[..., visible - size :].masked_fill_(ahead[:size, :size], float("-inf"))
-        if kind.window is not None:
-            assert positions is not None, "a sliding layer's statistics need its slots' positions"
-            seen = positions[..., :visible]
-            query_positions = positions[..., n - q_len + start : n - q_len + stop]
-            logits.masked_fill_(~window_visible(seen, query_positions, kind.window)[:, :, None], float("-inf"))
-        if padding is not None:
-            logits.masked_fill_(padding[:, :, None, None, :visible], float("-inf"))
+        _mask_unseen(logits, ahead, kind, positions, padding)
         probs = torch.softmax(logits, dim=-1, out=logits)
         yield start, probs if padding is None else probs.nan_to_num_(0.0)
+
+
+def _mask_unseen(logits: torch.Tensor, ahead: torch.Tensor | None, kind: LayerKind, positions: torch.Tensor | None,
+                 padding: torch.Tensor | None) -> None:
+    """Set to -inf, in place, the logits `[B, kv_heads, group, c, v]` of a chunk's c queries (the newest of the v
+    slots they may see) for the slots a query does not see: later slots (`ahead`: the causal mask of a chunk's
+    trailing block), slots outside a sliding layer's window, padding (`positions` and `padding` as
+    `attention_probs` takes them)."""
+    size, visible = logits.shape[3], logits.shape[4]
+    if ahead is not None and size > 1:  # causal mask: only the chunk's own trailing block has masked slots
+        logits[..., visible - size :].masked_fill_(ahead[:size, :size], float("-inf"))
+    if kind.window is not None:
+        assert positions is not None, "a sliding layer's statistics need its slots' positions"
+        seen = positions[..., :visible]
+        query_positions = positions[..., visible - size : visible]
+        logits.masked_fill_(~window_visible(seen, query_positions, kind.window)[:, :, None], float("-inf"))
+    if padding is not None:
+        logits.masked_fill_(padding[:, :, None, None, :visible], float("-inf"))
 
 
 def attention_received(query: torch.Tensor, key: torch.Tensor, scaling: float,

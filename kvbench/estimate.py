@@ -1,9 +1,11 @@
 """What a KV cache costs before running anything: 2 x layers x kv_heads x head_dim x tokens x batch x
-bytes, full and under a budget, beside the weights, against a device's memory."""
+bytes, full and under a budget, beside the weights, against a device's memory; and how long a sweep's work takes
+from the model's shape, on one worker or several."""
 
 from __future__ import annotations
 
 import contextlib
+import heapq
 import logging
 import re
 from collections.abc import Iterator
@@ -213,3 +215,11 @@ def estimate_seconds(work: list[CellWork], shape: Shape, dtype_bytes: float, spe
         step = max(cell.rows * 2 * parameters / speed.flops, step_bytes / speed.bandwidth)
         seconds += cell.prompts * prompt_flops / speed.flops + cell.steps * step
     return seconds
+
+
+def wall_seconds(unit_seconds: list[float], workers: int) -> float:
+    """The sweep's wall time when `workers` take the units in this order, each the next one as it gets free."""
+    free_at = [0.0] * workers
+    for seconds in unit_seconds:
+        heapq.heapreplace(free_at, free_at[0] + seconds)
+    return max(free_at)

@@ -1,7 +1,7 @@
 """`kvbench sweep --executor ray`: a sweep's work units on a Ray cluster's workers, into the same run folder.
 
 A worker is a long-lived actor (one per GPU, or `--workers` of them on CPUs) that loads a model once and runs unit
-after unit (`kvbench.sweep.work_units`: a sample group's cells that share its prompt forward, or one cell) with the
+after unit (`kvbench.work.work_units`: a sample group's cells that share its prompt forward, or one cell) with the
 local sweep's own `run_group`, collecting what it produces instead of writing it. The driver is the only writer of
 the run folder: it replays each unit's outcomes into it as the unit comes back, so the folder, its resume and every
 command downstream are those of a local sweep. A kill of the driver loses the units in flight; a worker that dies
@@ -25,22 +25,14 @@ import ray
 import torch
 from ray.exceptions import RayActorError, RayTaskError
 
+from kvbench.cells import Cell
 from kvbench.config import SweepConfig
 from kvbench.errors import KvbenchError
+from kvbench.outcomes import CollectedOutcomes, FolderOutcomes, Progress
 from kvbench.registry import load_plugins
 from kvbench.results import RunFolder, environment, now
-from kvbench.sweep import (
-    Cell,
-    CollectedOutcomes,
-    FolderOutcomes,
-    Interrupt,
-    ModelLoader,
-    Progress,
-    load_or_fail,
-    resume_point,
-    run_group,
-    work_units,
-)
+from kvbench.sweep import Interrupt, ModelLoader, load_or_fail, resume_point, run_group
+from kvbench.work import work_units
 
 ATTEMPTS = 3  # a unit whose worker died runs on another at most twice more
 
@@ -161,69 +153,98 @@ def run_sweep(pool: WorkerPool, folder: RunFolder, cells: list[Cell], progress: 
     taking the next unit as it gets free. The first Ctrl-C hands out no more units and waits for those in flight;
     True if every unit ran."""
     done, pending = resume_point(folder, cells, progress, retry_failed)
-    outcomes = FolderOutcomes(folder, progress)
-    units = work_units(pending, share)
-    queue = deque(range(len(units)))  # indices into `units`, in the order handed out
-    deaths = [0] * len(units)  # per unit, how many workers died running it
-    several_models = len({cell.model for cell in cells}) > 1
-    starting = {worker.actor.where.remote(): worker for worker in pool.workers}
-    running: dict[Any, tuple[Worker, int, float]] = {}  # a unit's result -> its worker, unit and start time
-    idle: list[Worker] = []
-
-    def tell(note: str, always: bool = False) -> None:
-        if verbose or always:
-            progress.notes.append(note)
-
+    dispatch = _Dispatch(pool, work_units(pending, share), done, FolderOutcomes(folder, progress), share, trace,
+                         verbose, several_models=len({cell.model for cell in cells}) > 1)
     with Interrupt() as interrupt:
-        while queue or running:
-            while queue and idle and not interrupt.requested:
-                worker, index = idle.pop(0), queue.popleft()
-                unit = units[index]
-                ids = {cell.id for cell in unit}
-                unit_done = {key for key in done if key[0] in ids}
-                running[worker.actor.run.remote(unit, unit_done, share, trace)] = worker, index, time.perf_counter()
-                tell(f"worker {worker.number} ({worker.where}): {_label(unit)}")
-            if not running and (interrupt.requested or not starting):
+        while dispatch.queue or dispatch.running:
+            dispatch.hand_out(interrupt)
+            if not dispatch.running and (interrupt.requested or not dispatch.starting):
                 break
-            progress.current = f"{len(running)} of {pool.size} workers busy"
-            progress.update(progress)
-            ready, _ = ray.wait([*starting, *running], num_returns=1, timeout=1.0)  # returns to see a Ctrl-C
-            for ref in ready:
-                if ref in starting:
-                    worker = starting.pop(ref)
-                    try:
-                        worker.where = ray.get(ref)
-                    except RayActorError as exc:  # not replaced: what kept it from starting would stop the next
-                        tell(f"worker {worker.number} failed to start: {_first_line(exc)}", always=True)
-                        continue
-                    idle.append(worker)
-                    continue
-                worker, index, started = running.pop(ref)
-                unit = units[index]
-                progress.model = " ".join(unit[0].model) if several_models else ""
-                try:
-                    collected = ray.get(ref)
-                except RayActorError as exc:  # the worker's process died, or its machine was lost
-                    deaths[index] += 1
-                    if deaths[index] < ATTEMPTS:
-                        queue.appendleft(index)  # first: the longest left, and it has waited
-                        tell(f"worker {worker.number} ({worker.where}) died running {_label(unit)}; it runs again "
-                             f"(attempt {deaths[index] + 1} of {ATTEMPTS})", always=True)
-                    else:
-                        _fail_unit(outcomes, unit, f"the Ray worker running it died {ATTEMPTS} times (last: "
-                                                   f"{worker.where}: {_first_line(exc)})")
-                    if queue:  # a worker in its place, while there is work for it
-                        replacement = pool.start()
-                        starting[replacement.actor.where.remote()] = replacement
-                        tell(f"worker {replacement.number} starts in place of worker {worker.number}")
-                    continue
-                collected.replay(outcomes)
-                idle.append(worker)
-                tell(f"worker {worker.number}: {_label(unit)} done in {time.perf_counter() - started:.1f} s")
+            dispatch.wait()
     progress.update(progress)  # shows what was told after the last unit
-    if queue and not interrupt.requested:
+    if dispatch.queue and not interrupt.requested:
         raise KvbenchError("no Ray worker could start (see above); rerun the same command to resume")
-    return not queue
+    return not dispatch.queue
+
+
+class _Dispatch:
+    """A sweep's units handed out to the pool's workers: the units left (`queue`), the workers starting, running a
+    unit or idle, and how many workers died running each unit."""
+
+    def __init__(self, pool: WorkerPool, units: list[list[Cell]], done: set[tuple[str, str]],
+                 outcomes: FolderOutcomes, share: bool, trace: bool, verbose: bool, several_models: bool) -> None:
+        self.pool, self.units, self.done, self.outcomes = pool, units, done, outcomes
+        self.share, self.trace, self.verbose, self.several_models = share, trace, verbose, several_models
+        self.progress = outcomes.progress
+        self.queue = deque(range(len(units)))  # indices into `units`, in the order handed out
+        self.deaths = [0] * len(units)  # per unit, how many workers died running it
+        self.starting = {worker.actor.where.remote(): worker for worker in pool.workers}
+        self.running: dict[Any, tuple[Worker, int, float]] = {}  # a unit's result -> its worker, unit and start time
+        self.idle: list[Worker] = []
+
+    def tell(self, note: str, always: bool = False) -> None:
+        if self.verbose or always:
+            self.progress.notes.append(note)
+
+    def hand_out(self, interrupt: Interrupt) -> None:
+        """A unit to each idle worker, while units are left and no Ctrl-C came."""
+        while self.queue and self.idle and not interrupt.requested:
+            worker, index = self.idle.pop(0), self.queue.popleft()
+            unit = self.units[index]
+            ids = {cell.id for cell in unit}
+            unit_done = {key for key in self.done if key[0] in ids}
+            result = worker.actor.run.remote(unit, unit_done, self.share, self.trace)
+            self.running[result] = worker, index, time.perf_counter()
+            self.tell(f"worker {worker.number} ({worker.where}): {_label(unit)}")
+
+    def wait(self) -> None:
+        """Take what the next worker to start or finish a unit says, or return after a second (to see a Ctrl-C)."""
+        self.progress.current = f"{len(self.running)} of {self.pool.size} workers busy"
+        self.progress.update(self.progress)
+        ready, _ = ray.wait([*self.starting, *self.running], num_returns=1, timeout=1.0)
+        for ref in ready:
+            if ref in self.starting:
+                self._started(ref)
+            else:
+                self._finished(ref)
+
+    def _started(self, ref: Any) -> None:
+        worker = self.starting.pop(ref)
+        try:
+            worker.where = ray.get(ref)
+        except RayActorError as exc:  # not replaced: what kept it from starting would stop the next
+            self.tell(f"worker {worker.number} failed to start: {_first_line(exc)}", always=True)
+            return
+        self.idle.append(worker)
+
+    def _finished(self, ref: Any) -> None:
+        worker, index, started = self.running.pop(ref)
+        unit = self.units[index]
+        self.progress.model = " ".join(unit[0].model) if self.several_models else ""
+        try:
+            collected = ray.get(ref)
+        except RayActorError as exc:  # the worker's process died, or its machine was lost
+            self._died(worker, index, exc)
+            return
+        collected.replay(self.outcomes)
+        self.idle.append(worker)
+        self.tell(f"worker {worker.number}: {_label(unit)} done in {time.perf_counter() - started:.1f} s")
+
+    def _died(self, worker: Worker, index: int, exc: RayActorError) -> None:
+        """The unit runs again, first, on another worker, or fails its cells after `ATTEMPTS` deaths."""
+        unit = self.units[index]
+        self.deaths[index] += 1
+        if self.deaths[index] < ATTEMPTS:
+            self.queue.appendleft(index)  # first: the longest left, and it has waited
+            self.tell(f"worker {worker.number} ({worker.where}) died running {_label(unit)}; it runs again "
+                      f"(attempt {self.deaths[index] + 1} of {ATTEMPTS})", always=True)
+        else:
+            _fail_unit(self.outcomes, unit, f"the Ray worker running it died {ATTEMPTS} times (last: "
+                                            f"{worker.where}: {_first_line(exc)})")
+        if self.queue:  # a worker in its place, while there is work for it
+            replacement = self.pool.start()
+            self.starting[replacement.actor.where.remote()] = replacement
+            self.tell(f"worker {replacement.number} starts in place of worker {worker.number}")
 
 
 def _fail_unit(outcomes: FolderOutcomes, unit: list[Cell], message: str) -> None:

@@ -1,4 +1,4 @@
-"""Expand a config into cells and run them into a resumable run folder, sharing work.
+"""Run a grid's cells into a resumable run folder, one model at a time, sharing work.
 
 Cells that compress the same prompt in `full` prefill mode (same task sample, context length and
 question placement) share one forward over it: the prompt runs once, gathering every policy's
@@ -11,145 +11,25 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import hashlib
-import heapq
-import itertools
-import json
 import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from kvbench.budgets import budget_suffix, budget_value, threshold_from
+from kvbench.batching import batching, prompt_sizes, row_batches, sample_batches
+from kvbench.cells import Cell, cell_task, sharable
 from kvbench.config import SweepConfig
 from kvbench.errors import KvbenchError
-from kvbench.estimate import CellWork, parse_bytes
 from kvbench.measure import memory_pressure, tracing
 from kvbench.models import LoadedModel, load_model
-from kvbench.policies import POLICIES, Policy
-from kvbench.policies.base import batch_limit, takes_budget
-from kvbench.results import RunFolder, now, union_models
+from kvbench.outcomes import FolderOutcomes, Outcomes, Progress
+from kvbench.results import RunFolder, now
 from kvbench.runner import compressed_prompt, evaluate, evaluate_rows, repeat_timed
 from kvbench.session import SharedPrefill, shared_prefill, wanted_compressions
-from kvbench.settings import RunSettings, compression_plan
-from kvbench.tasks import TASKS, Sample, Task
-from kvbench.tasks.base import encode_prompt
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One point of the grid; its id hashes its canonical description, so YAML order changes no id."""
-
-    description: dict[str, Any]
-
-    @property
-    def id(self) -> str:
-        canonical = json.dumps(self.description, sort_keys=True, default=str)
-        return hashlib.sha256(canonical.encode()).hexdigest()[:12]
-
-    @property
-    def model(self) -> tuple[str, str]:
-        """The (model id, dtype) the cell runs on: cells of one share a loaded model."""
-        return self.description["model"]["id"], self.description["model"]["dtype"]
-
-    @property
-    def group(self) -> tuple[tuple[str, str], str, int, str]:
-        """Cells of one group see the same samples (tokenized by the same model), so they can share the prompt's
-        forward."""
-        d = self.description
-        return self.model, json.dumps(d["task"], sort_keys=True), d["context_length"], d["question"]
-
-    def policy(self) -> Policy:
-        return POLICIES.build(self.description["policy"]["name"], self.description["policy"]["params"])
-
-    def settings(self, kv_limit_bytes: int | None = None) -> RunSettings:
-        d = self.description
-        return RunSettings(budget=budget_value(d["budget"]), prefill=d["prefill"]["mode"],
-                           prefill_chunk=d["prefill"]["chunk"] or 1, question=d["question"],
-                           evict_every=d["evict_every"], max_new_tokens=d["max_new_tokens"],
-                           kv_limit_bytes=kv_limit_bytes, fidelity="fidelity" in d.get("diagnostics", ()))
-
-    @property
-    def label(self) -> str:
-        d = self.description
-        params = ",".join(f"{k}={v}" for k, v in d["policy"]["params"].items())
-        policy = f"{d['policy']['name']}{f'({params})' if params else ''}"
-        return f"{policy}{budget_suffix(d['budget'])} L={d['context_length']}"
-
-
-def expand(config: SweepConfig) -> list[Cell]:
-    """The grid: models x dtypes x tasks x context lengths x question placements x policies x budgets (once for a
-    policy that keeps every token)."""
-    cells = []
-    for model, task in itertools.product(config.model_grid(), config.tasks):
-        for length in config.context_lengths:
-            for question in config.question:
-                for policy in config.policies:
-                    # full, or a compression that drops nothing: no budget
-                    keeps_all = not takes_budget(POLICIES.get(policy.name))
-                    for budget in [None] if keeps_all else policy.budgets or config.budgets:
-                        cells.append(Cell({
-                            "model": model.identity(),
-                            "task": task.canonical(),
-                            "policy": policy.canonical(),
-                            "budget": budget,
-                            "context_length": length,
-                            "prefill": {"mode": config.prefill.mode,
-                                        "chunk": config.prefill.chunk if config.prefill.mode == "chunked" else None},
-                            "question": question,
-                            "samples": task.samples or config.samples,
-                            "seed": config.seed,
-                            "evict_every": config.evict_every,
-                            "max_new_tokens": config.max_new_tokens,
-                        }))
-    if config.diagnostics:  # only when set, as timing
-        for cell in cells:
-            cell.description["diagnostics"] = sorted(config.diagnostics)
-    if config.timing:  # only when set: adding the option changed no existing cell's id
-        for cell in cells:
-            cell.description["timing"] = config.timing.model_dump()
-    if config.pressure or config.memory_limit:  # one cell per memory condition
-        conditions = [{"pressure": p} for p in config.pressure or []]
-        if config.memory_limit:
-            conditions.append({"limit_bytes": parse_bytes(config.memory_limit)})
-        cells = [Cell({**cell.description, "memory": condition}) for cell in cells for condition in conditions]
-    unique = {cell.id: cell for cell in cells}  # a policy listed twice runs once
-    return list(unique.values())
-
-
-def shard(cells: list[Cell], spec: str | None) -> list[Cell]:
-    """`i/N`: every N-th cell by id, starting at the i-th (0-based): deterministic on every machine."""
-    if not spec:
-        return cells
-    try:
-        index, count = (int(part) for part in spec.split("/"))
-    except ValueError:
-        raise KvbenchError(f"--shard '{spec}' is not of the form i/N (e.g. 0/4)") from None
-    if not 0 <= index < count:
-        raise KvbenchError(f"--shard '{spec}': i must be in [0, N)")
-    ordered = sorted(cells, key=lambda cell: cell.id)
-    return ordered[index::count]
-
-
-@dataclass
-class Progress:
-    """What the progress display shows; the sweep calls `update` as it goes."""
-
-    cells_total: int
-    samples_total: int
-    update: Callable[[Progress], None] = lambda progress: None
-    cells_done: int = 0
-    samples_done: int = 0
-    current: str = ""
-    model: str = ""  # the model and dtype running, when the grid has several
-    log: list[str] = field(default_factory=list)  # cells that failed, to tell the user
-    notes: list[str] = field(default_factory=list)  # what an executor tells as it goes (Ray's workers)
-
-    def log_failure(self, cell: Cell, message: str) -> None:
-        self.log.append(f"{self.model}: {cell.label}: {message}" if self.model else f"{cell.label}: {message}")
+from kvbench.tasks import Sample, Task
 
 
 class Interrupt:
@@ -231,90 +111,9 @@ def manifest(config: SweepConfig, cells: list[Cell], model: dict[str, Any], mach
     }
 
 
-def sample_total(cells: list[Cell]) -> int:
-    """Samples the grid scores in all (cells x the samples each cell's task makes)."""
-    return sum(cell_task(cell).sample_count(cell.description["samples"]) for cell in cells)
-
-
-def cell_task(cell: Cell) -> Task:
-    return TASKS.build(cell.description["task"]["name"], cell.description["task"]["params"])
-
-
 def finished_cells(folder: RunFolder, retry_failed: bool) -> set[str]:
     """Cells a rerun skips: those with a final status (ok, or failed unless retrying them)."""
     return {cid for cid, status in folder.cells().items() if status["status"] == "ok" or not retry_failed}
-
-
-class Outcomes(Protocol):
-    """Where running cells sends what it produces, in the order it happens. A local sweep's is the run folder
-    (`FolderOutcomes`); a Ray worker's collects them (`CollectedOutcomes`) for the driver to replay into its own."""
-
-    def model_loaded(self, described: dict[str, Any]) -> None:
-        """A model loaded to run cells: `LoadedModel.describe()`."""
-
-    def running(self, label: str) -> None:
-        """The (cell, sample) starting now."""
-
-    def record(self, record: dict[str, Any], traces: list[dict[str, Any]] | None) -> None:
-        """A scored sample, with its memory time series when tracing."""
-
-    def cell(self, status: dict[str, Any], failure: str | None) -> None:
-        """A cell's final status line; `failure` is what to tell the user when it failed."""
-
-
-class FolderOutcomes:
-    """Outcomes written into the run folder as they come, and counted on the progress display."""
-
-    def __init__(self, folder: RunFolder, progress: Progress) -> None:
-        self.folder = folder
-        self.progress = progress
-
-    def model_loaded(self, described: dict[str, Any]) -> None:
-        current = self.folder.manifest() or {}
-        models = union_models(current.get("models", []), [described])
-        if models != current.get("models"):
-            self.folder.write_manifest({**current, "models": models})
-
-    def running(self, label: str) -> None:
-        self.progress.current = label
-        self.progress.update(self.progress)
-
-    def record(self, record: dict[str, Any], traces: list[dict[str, Any]] | None) -> None:
-        self.folder.add_record(record)
-        if traces is not None:
-            self.folder.add_trace(record["cell_id"], record["sample_id"], traces)
-        self.progress.samples_done += 1
-        self.progress.update(self.progress)
-
-    def cell(self, status: dict[str, Any], failure: str | None) -> None:
-        self.folder.add_cell(status)
-        self.progress.cells_done += 1
-        if failure:
-            self.progress.log_failure(Cell(status["cell"]), failure)
-        self.progress.update(self.progress)
-
-
-class CollectedOutcomes:
-    """Outcomes kept in order, to be replayed into another sink: what a Ray worker returns for a group."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, tuple[Any, ...]]] = []
-
-    def model_loaded(self, described: dict[str, Any]) -> None:
-        self.events.append(("model_loaded", (described,)))
-
-    def running(self, label: str) -> None:
-        """Not kept: once the group is back it has finished, and the driver shows its own progress."""
-
-    def record(self, record: dict[str, Any], traces: list[dict[str, Any]] | None) -> None:
-        self.events.append(("record", (record, traces)))
-
-    def cell(self, status: dict[str, Any], failure: str | None) -> None:
-        self.events.append(("cell", (status, failure)))
-
-    def replay(self, outcomes: Outcomes) -> None:
-        for method, arguments in self.events:
-            getattr(outcomes, method)(*arguments)
 
 
 def resume_point(folder: RunFolder, cells: list[Cell], progress: Progress,
@@ -386,7 +185,6 @@ def run_group(lm: LoadedModel, cells: list[Cell], done: set[tuple[str, str]], ou
     at a time (`sample_batches`): one shared prompt forward for the batch, then each cell runs its rows of it
     together where it can (`row_batches`), one at a time where it cannot."""
     first = cells[0].description
-    failed: dict[str, dict[str, Any]] = {}
     try:
         task = cell_task(cells[0])
         samples = task.samples(lm.tokenizer, first["context_length"], first["samples"], first["seed"])
@@ -395,133 +193,83 @@ def run_group(lm: LoadedModel, cells: list[Cell], done: set[tuple[str, str]], ou
             outcomes.cell(_failure(cell, exc), str(exc) if index == 0 else None)  # told once for the group
         return True
     started = {cell.id: time.perf_counter() for cell in cells}
+    group = _GroupRun(lm, task, cells, done, outcomes, share, trace, stop)
     for batch in sample_batches(samples, batch_size):
-        todo = {c.id: [s for s in batch if (c.id, s.id) not in done] for c in cells if c.id not in failed}
-        sizes = prompt_sizes(lm, batch) if len(batch) > 1 else {}  # tokenized once for every cell
-        runs = {c.id: row_batches(c, todo[c.id], sizes, lm.num_layers) for c in cells if todo.get(c.id)}
-        prefills = None
-        if share and task.shares_prefill:
-            try:
-                prefills = _BatchPrefill.of(lm, [c for c in cells if c.id in runs], runs, batch, first["question"])
-            except Exception as exc:  # the prompts' forward failed (out of memory): each cell it served fails
-                for cell in [c for c in cells if c.id in runs and _sharable(c)]:
-                    _fail(outcomes, failed, cell, exc)
-            if failed:
-                _release_cached_memory()  # after the failed forward's tensors went with its traceback
-        for cell in cells:
-            for rows in runs.get(cell.id, []) if cell.id not in failed else []:
-                if stop():
-                    return False
-                outcomes.running(f"{cell.label} {rows[0].id}" + (f" (+{len(rows) - 1})" if len(rows) > 1 else ""))
-                try:
-                    shared = prefills.rows(rows) if prefills is not None and _sharable(cell) else None
-                    records = _run_rows(lm, task, cell, rows, shared, trace)
-                except Exception as exc:  # one failing cell never stops the sweep
-                    _fail(outcomes, failed, cell, exc)
-                finally:
-                    shared = None  # this loop's reference too: a part no other cell runs is freed now
-                    if prefills is not None and _sharable(cell):
-                        prefills.served(cell, rows)
-                if cell.id in failed:
-                    _release_cached_memory()  # now that the failed cell's tensors went with its traceback
-                    break
-                for record, traces in records:
-                    # the dtype the weights ran in (`auto` resolved), beside the record's `model`
-                    outcomes.record({"cell_id": cell.id, "cell": cell.description, **record,
-                                     "dtype": str(lm.dtype).removeprefix("torch.")}, traces if trace else None)
-        del prefills
+        if not group.batch(batch):
+            return False
     for cell in cells:
-        if cell.id not in failed:
+        if cell.id not in group.failed:
             outcomes.cell({"cell_id": cell.id, "cell": cell.description, "status": "ok", "samples": len(samples),
                            "seconds": round(time.perf_counter() - started[cell.id], 3), "finished": now()}, None)
     return True
 
 
-def sample_batches(samples: list[Sample], batch_size: int) -> list[list[Sample]]:
-    """A sample group's samples `batch_size` at a time, in their order: a cell that fails at a sample has then
-    recorded the samples before it, as at batch 1."""
-    return [samples[start : start + batch_size] for start in range(0, len(samples), batch_size)]
+@dataclass
+class _GroupRun:
+    """A sample group's cells running on `lm` one batch of samples at a time, and the cells failed so far (a failed
+    cell runs no further batch)."""
 
+    lm: LoadedModel
+    task: Task
+    cells: list[Cell]
+    done: set[tuple[str, str]]
+    outcomes: Outcomes
+    share: bool
+    trace: bool
+    stop: Callable[[], bool]
+    failed: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-def prompt_sizes(lm: LoadedModel, samples: list[Sample]) -> dict[str, tuple[int, int]]:
-    """Each sample's (context, question) length in tokens, by sample id."""
-    encoded = {sample.id: encode_prompt(lm.tokenizer, sample) for sample in samples}
-    return {sample_id: (len(context), len(question)) for sample_id, (context, question) in encoded.items()}
+    def batch(self, batch: list[Sample]) -> bool:
+        """One shared prompt forward for the batch, then each cell's rows of it; False if `stop()` cut it short. The
+        batch's prefill is freed on return, before the next batch's forward."""
+        cells = self.cells
+        todo = {c.id: [s for s in batch if (c.id, s.id) not in self.done] for c in cells if c.id not in self.failed}
+        sizes = prompt_sizes(self.lm, batch) if len(batch) > 1 else {}  # tokenized once for every cell
+        runs = {c.id: row_batches(c, todo[c.id], sizes, self.lm.num_layers) for c in cells if todo.get(c.id)}
+        prefills = self._prefill(runs, batch) if self.share and self.task.shares_prefill else None
+        for cell in cells:
+            for rows in runs.get(cell.id, []) if cell.id not in self.failed else []:
+                if self.stop():
+                    return False
+                if not self._run(cell, rows, prefills):
+                    break
+        return True
 
-
-def row_batches(cell: Cell, samples: list[Sample], sizes: dict[str, tuple[int, int]],
-                num_layers: int) -> list[list[Sample]]:
-    """How `cell` runs these samples of a batch (`sizes`: their `prompt_sizes`): together, as far as its rows can
-    evict as each would alone. Rows run together when they resolve the budget alike (`compression_plan`: a ratio
-    of prompts of different lengths does not) and append questions of one length after compression (`question:
-    agnostic`); a chunked prefill, or a policy limited to rows of one length (`batch_limit`), needs rows of one
-    prompt and answer length. A task, cell or policy that cannot batch at all (`batching_note`) runs each sample
-    alone."""
-    if len(samples) < 2 or not _batches(cell):
-        return [[sample] for sample in samples]
-    policy, settings = cell.policy(), cell.settings()
-    limit = batch_limit(policy)
-    chunked, agnostic = settings.prefill == "chunked", settings.question == "agnostic"
-    together: dict[str, list[Sample]] = {}
-    for sample in samples:
-        context, question = sizes[sample.id]
+    def _prefill(self, runs: dict[str, list[list[Sample]]], batch: list[Sample]) -> _BatchPrefill | None:
+        """The batch's shared prompt forward for the cells that run rows of it; where it fails, each cell it served
+        fails."""
+        prefills = None
         try:
-            plan = compression_plan(policy, settings, context + question, chunked, num_layers)
-        except KvbenchError:  # a sample this cell cannot run: one at a time, so it fails the cell where alone would
-            return [[sample] for sample in samples]
-        key: list[Any] = [plan, question if agnostic else None]
-        if chunked or limit is not None:  # no padding: rows alike in every length
-            key += [context, question, settings.max_new_tokens or sample.max_new_tokens]
-        together.setdefault(json.dumps(key), []).append(sample)
-    return list(together.values())
+            prefills = _BatchPrefill.of(self.lm, [c for c in self.cells if c.id in runs], runs, batch,
+                                        self.cells[0].description["question"])
+        except Exception as exc:  # the prompts' forward failed (out of memory)
+            for cell in [c for c in self.cells if c.id in runs and sharable(c)]:
+                _fail(self.outcomes, self.failed, cell, exc)
+        if self.failed:
+            _release_cached_memory()  # after the failed forward's tensors went with its traceback
+        return prefills
 
-
-def batching_note(cell: Cell) -> str | None:
-    """Why `cell` runs its samples one at a time whatever the batch size, or batches only samples of one length
-    (one line); None: its samples batch."""
-    alone = _alone(cell)
-    if alone is not None:
-        return alone
-    limit = batch_limit(cell.policy())
-    if limit is None:
-        return None
-    how = "runs each sample alone" if limit.rows == "alone" else "batches only samples of one prompt length"
-    return f"{_policy_label(cell)} {how}: {limit.reason}"
-
-
-def _alone(cell: Cell) -> str | None:
-    """Why `cell` runs each sample alone whatever its policy, or None."""
-    d = cell.description
-    task = cell_task(cell)
-    if not task.batches:
-        return f"task '{task.name}' runs each sample its own way, one at a time"
-    if "timing" in d:
-        return "speed cells (timing:) time each sample alone"
-    if "memory" in d:
-        return "memory-pressure cells run each sample alone under their memory condition"
-    if "fidelity" in d.get("diagnostics", ()):
-        return "fidelity diagnostics follow each sample's full cache alone"
-    if threshold_from(d["budget"]) is not None:
-        return "threshold budgets keep each sample's own count, so run each sample alone"
-    return None
-
-
-def _batches(cell: Cell) -> bool:
-    """Whether `cell` may run several samples together (some, where its policy needs rows of one length)."""
-    limit = batch_limit(cell.policy())
-    return _alone(cell) is None and (limit is None or limit.rows != "alone")
-
-
-def batching(cells: list[Cell], batch_size: int) -> dict[str, Any]:
-    """The manifest's `batching`: the batch size and one line for each kind of cell that batches less."""
-    return {"batch_size": batch_size,
-            "fallback": sorted({note for cell in cells if (note := batching_note(cell))} if batch_size > 1 else ())}
-
-
-def _policy_label(cell: Cell) -> str:
-    policy = cell.description["policy"]
-    params = ",".join(f"{k}={v}" for k, v in policy["params"].items())
-    return f"{policy['name']}{f'({params})' if params else ''}"
+    def _run(self, cell: Cell, rows: list[Sample], prefills: _BatchPrefill | None) -> bool:
+        """Run `cell` on `rows` (together, or one alone: `_run_rows`) and send their records; False if the cell
+        failed."""
+        self.outcomes.running(f"{cell.label} {rows[0].id}" + (f" (+{len(rows) - 1})" if len(rows) > 1 else ""))
+        try:
+            shared = prefills.rows(rows) if prefills is not None and sharable(cell) else None
+            records = _run_rows(self.lm, self.task, cell, rows, shared, self.trace)
+        except Exception as exc:  # one failing cell never stops the sweep
+            _fail(self.outcomes, self.failed, cell, exc)
+        finally:
+            shared = None  # this reference too: a part no other cell runs is freed now
+            if prefills is not None and sharable(cell):
+                prefills.served(cell, rows)
+        if cell.id in self.failed:
+            _release_cached_memory()  # now that the failed cell's tensors went with its traceback
+            return False
+        for record, traces in records:
+            # the dtype the weights ran in (`auto` resolved), beside the record's `model`
+            self.outcomes.record({"cell_id": cell.id, "cell": cell.description, **record,
+                                  "dtype": str(self.lm.dtype).removeprefix("torch.")}, traces if self.trace else None)
+        return True
 
 
 def _run_rows(lm: LoadedModel, task: Task, cell: Cell, rows: list[Sample], shared: SharedPrefill | None,
@@ -548,13 +296,6 @@ def _run_rows(lm: LoadedModel, task: Task, cell: Cell, rows: list[Sample], share
         return [(repeat_timed(run, **timing) if timing else run(), traces)]
 
 
-def _sharable(cell: Cell) -> bool:
-    """Whether the cell may start from the sample's shared prompt forward: not a speed cell (it times its
-    own) nor a memory-pressure one (the prompt's forward is what may not fit)."""
-    d = cell.description
-    return d["prefill"]["mode"] == "full" and "timing" not in d and "memory" not in d
-
-
 class _BatchPrefill:
     """A batch's one shared prompt forward (over the samples its sharing cells run), and the parts of it that
     cells running only some of those rows together start from (`SharedPrefill.select`)."""
@@ -567,7 +308,7 @@ class _BatchPrefill:
     @classmethod
     def of(cls, lm: LoadedModel, cells: list[Cell], runs: dict[str, list[list[Sample]]], batch: list[Sample],
            question: str) -> _BatchPrefill | None:
-        sharing = [cell for cell in cells if _sharable(cell)]
+        sharing = [cell for cell in cells if sharable(cell)]
         wanted = {s.id for cell in sharing for rows in runs[cell.id] for s in rows}
         samples = [sample for sample in batch if sample.id in wanted]
         if not samples:
@@ -630,45 +371,3 @@ def _failure(cell: Cell, exc: Exception) -> dict[str, Any]:
     message = str(exc) if isinstance(exc, KvbenchError) else f"{type(exc).__name__}: {exc}"
     return {"cell_id": cell.id, "cell": cell.description, "status": "oom" if oom else "error",
             "message": message.splitlines()[0] if message else type(exc).__name__, "finished": now()}
-
-
-def cell_work(cells: list[Cell], share: bool, batch_size: int = 1) -> list[CellWork]:
-    """What each cell costs, as a time estimate counts it: its sample group's first cell runs the shared prompt
-    forwards, the others start from them."""
-    prompts_run: set[tuple[tuple[str, str], str, int, str]] = set()
-    work = []
-    for cell in cells:
-        d = cell.description
-        task = cell_task(cell)
-        samples = task.sample_count(d["samples"])
-        prompt, decoded = task.work(d["context_length"], d["max_new_tokens"])
-        shared = share and task.shares_prefill and _sharable(cell) and cell.group in prompts_run
-        prompts_run.add(cell.group)
-        rows = min(batch_size, samples) if batch_size > 1 and _batches(cell) else 1
-        work.append(CellWork(0 if shared else samples, prompt, decoded * -(-samples // rows), rows))
-    return work
-
-
-def token_work(cells: list[Cell], share: bool, batch_size: int = 1) -> float:
-    """How long `cells` take relative to others, without the model's shape (to order work units)."""
-    return sum(work.relative_cost for work in cell_work(cells, share, batch_size))
-
-
-def work_units(cells: list[Cell], share: bool) -> list[list[Cell]]:
-    """What an executor hands a worker at a time, longest first within each model (models in grid order, so a
-    worker loads each model once), so that the sweep's tail is short: a sample group's cells that share its prompt
-    forward, together; every other cell alone (its own prompt, or `--no-share`)."""
-    units: dict[tuple, list[Cell]] = {}
-    for cell in cells:
-        together = share and cell_task(cell).shares_prefill and _sharable(cell)
-        units.setdefault(cell.group if together else (cell.group, cell.id), []).append(cell)
-    models = list(dict.fromkeys(cell.model for cell in cells))
-    return sorted(units.values(), key=lambda unit: (models.index(unit[0].model), -token_work(unit, share)))
-
-
-def wall_seconds(unit_seconds: list[float], workers: int) -> float:
-    """The sweep's wall time when `workers` take the units in this order, each the next one as it gets free."""
-    free_at = [0.0] * workers
-    for seconds in unit_seconds:
-        heapq.heapreplace(free_at, free_at[0] + seconds)
-    return max(free_at)

@@ -20,12 +20,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from kvbench.cells import expand
 from kvbench.cli import app
 from kvbench.config import load_config
 from kvbench.policies import POLICIES, build_policy
 from kvbench.results import RunFolder
 from kvbench.session import Prompt, RunSettings, Session, generate, generate_rows
-from kvbench.sweep import expand
 from tests.conftest import random_ids
 from tests.helpers import NEEDED_PARAMS, assert_model_close
 from tests.test_sweep import ROOT, records_by_key, sweep, sweep_until, write_config

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvbench.cells import expand
 from kvbench.config import load_config
-from kvbench.sweep import expand
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

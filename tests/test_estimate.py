@@ -60,8 +60,9 @@ def test_a_sweeps_time_estimate_is_prompt_flops_plus_decode_steps_bound_by_their
     steps, each reading the bfloat16 weights and the row's cache (an 8B model on a GPU is bound by its reads)."""
     import yaml
 
+    from kvbench.cells import expand
     from kvbench.config import load_config
-    from kvbench.sweep import cell_work, expand
+    from kvbench.work import cell_work
 
     config = tmp_path / "sweep.yaml"
     config.write_text(yaml.safe_dump({"name": "e", "model": "random:llama-3-8b", "policies": ["full"],

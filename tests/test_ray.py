@@ -19,11 +19,13 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
+from kvbench.cells import expand
 from kvbench.cli import app
 from kvbench.config import load_config
+from kvbench.estimate import wall_seconds
 from kvbench.results import RunFolder
 from kvbench.summary import summarize
-from kvbench.sweep import expand, token_work, wall_seconds, work_units
+from kvbench.work import token_work, work_units
 from tests.test_sweep import ROOT, STABLE, records_by_key, write_config
 
 ray = pytest.importorskip("ray")

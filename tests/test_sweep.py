@@ -15,11 +15,11 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
+from kvbench.cells import expand
 from kvbench.cli import app
 from kvbench.config import load_config
 from kvbench.results import RunFolder
 from kvbench.summary import summarize
-from kvbench.sweep import expand
 from tests.helpers import assert_rejected_in_one_line
 
 runner = CliRunner()

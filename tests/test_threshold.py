@@ -14,6 +14,7 @@ from matplotlib.collections import LineCollection
 from typer.testing import CliRunner
 
 from kvbench.budgets import Threshold
+from kvbench.cells import expand
 from kvbench.cli import app
 from kvbench.config import load_config
 from kvbench.errors import KvbenchError
@@ -23,7 +24,6 @@ from kvbench.policies import POLICIES, build_policy
 from kvbench.report import recommend
 from kvbench.results import RunFolder
 from kvbench.summary import summarize
-from kvbench.sweep import expand
 from tests.conftest import random_ids
 from tests.helpers import assert_model_close, assert_rejected_in_one_line, run_session
 from tests.test_sweep import sweep, write_config

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import typer
 
@@ -24,6 +24,13 @@ from kvbench.cli.app import (
     write_json,
 )
 from kvbench.errors import KvbenchError
+
+if TYPE_CHECKING:
+    from kvbench.cells import Cell
+    from kvbench.models import LoadedModel
+    from kvbench.policies import Policy
+    from kvbench.settings import RunSettings
+    from kvbench.tasks import Sample, Task
 
 
 @app.command()
@@ -64,15 +71,13 @@ def run(
     """Compare policies on one task: quality, speed, cache memory.
 
     Each policy runs beside `full` on the same samples, without a run folder."""
-    from kvbench.budgets import Threshold, budget_description
+    from kvbench.budgets import budget_description
+    from kvbench.cells import expand
     from kvbench.config import ModelConfig, PolicySpec, PrefillConfig, SweepConfig, TaskSpec
     from kvbench.estimate import canonical_dtype
-    from kvbench.policies import Policy, build_policy
+    from kvbench.policies import build_policy
     from kvbench.registry import load_plugins
-    from kvbench.runner import evaluate
-    from kvbench.settings import RunSettings
-    from kvbench.sweep import Cell, expand
-    from kvbench.tasks import Sample, build_task
+    from kvbench.tasks import build_task
 
     if plugins:
         load_plugins(plugins)
@@ -100,26 +105,53 @@ def run(
         samples=samples, seed=seed, evict_every=evict_every, max_new_tokens=max_new_tokens,
         diagnostics=["fidelity"] if fidelity else [])
     cells = expand(grid)
-    runs: dict[str, tuple[Policy, RunSettings]] = {}
-    for cell in cells:
-        pol, setting = cell.policy(), cell.settings()
-        if isinstance(setting.budget, int):  # token budgets can be checked before the model loads; ratios per prompt
-            pol.check_budget(setting.budget)
-        if isinstance(setting.budget, Threshold):
-            pol.check_threshold()
-        runs[cell.id] = pol, setting
+    runs = _checked_runs(cells)
 
     from kvbench.models import load_model
 
     lm = load_model(model, dtype=dtype, device=device, device_map=device_map, seed=seed)
-    groups: dict[tuple, list[Cell]] = {}  # cells of one context length see the same samples
+    records = _evaluate_all(lm, task_obj, _sample_work(lm, task_obj, cells), runs, as_json)
+    write_json("\n".join(json.dumps(record) for record in records), json_path)
+    if not as_json:
+        from kvbench.tables import summary_table
+
+        stdout.print(summary_table(records, lm.describe()))
+
+
+def _checked_runs(cells: list[Cell]) -> dict[str, tuple[Policy, RunSettings]]:
+    """Each cell's policy and settings, by cell id; a token budget or a threshold a policy cannot take stops here,
+    before the model loads (a ratio is checked against each prompt)."""
+    from kvbench.budgets import Threshold
+
+    runs: dict[str, tuple[Policy, RunSettings]] = {}
+    for cell in cells:
+        pol, setting = cell.policy(), cell.settings()
+        if isinstance(setting.budget, int):
+            pol.check_budget(setting.budget)
+        if isinstance(setting.budget, Threshold):
+            pol.check_threshold()
+        runs[cell.id] = pol, setting
+    return runs
+
+
+def _sample_work(lm: LoadedModel, task: Task, cells: list[Cell]) -> list[tuple[Cell, Sample]]:
+    """Every (cell, sample) to run, sample by sample: the cells of one sample group see the same samples."""
+    groups: dict[tuple, list[Cell]] = {}
     for cell in cells:
         groups.setdefault(cell.group, []).append(cell)
     work: list[tuple[Cell, Sample]] = []
     for group in groups.values():
         first = group[0].description
-        for sample in task_obj.samples(lm.tokenizer, first["context_length"], first["samples"], first["seed"]):
+        for sample in task.samples(lm.tokenizer, first["context_length"], first["samples"], first["seed"]):
             work.extend((cell, sample) for cell in group)
+    return work
+
+
+def _evaluate_all(lm: LoadedModel, task: Task, work: list[tuple[Cell, Sample]],
+                  runs: dict[str, tuple[Policy, RunSettings]], as_json: bool) -> list[dict[str, Any]]:
+    """The records of `work` in order, with a progress bar; each printed as a JSON line as it finishes with
+    `as_json`."""
+    from kvbench.runner import evaluate
 
     records = []
     with progress_bar(disable=False) as progress:
@@ -128,15 +160,10 @@ def run(
             d = cell.description
             progress.update(bar, description=f"{d['policy']['name']} L={d['context_length']}")
             pol, setting = runs[cell.id]
-            record = evaluate(lm, task_obj, pol, sample, setting, d["context_length"], d["seed"])
+            record = evaluate(lm, task, pol, sample, setting, d["context_length"], d["seed"])
             records.append(record)
             if as_json:
                 sys.stdout.write(json.dumps(record) + "\n")
                 sys.stdout.flush()
             progress.advance(bar)
-    write_json("\n".join(json.dumps(record) for record in records), json_path)
-    if not as_json:
-        from kvbench.tables import summary_table
-
-        stdout.print(summary_table(records, lm.describe()))
-
+    return records

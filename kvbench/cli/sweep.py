@@ -14,7 +14,10 @@ from kvbench.errors import KvbenchError
 if TYPE_CHECKING:
     import torch
 
-    from kvbench.sweep import Progress
+    from kvbench.cells import Cell
+    from kvbench.config import SweepConfig
+    from kvbench.outcomes import Progress
+    from kvbench.results import RunFolder
 
 
 def _default_output(name: str, shard_spec: str | None) -> str:
@@ -58,21 +61,17 @@ def sweep(
     """Run a config's grid into a resumable run folder.
 
     The grid: policies x budgets x context lengths x tasks (and models, dtypes, question placements)."""
+    from kvbench.cells import expand, shard
     from kvbench.config import load_config
     from kvbench.registry import load_plugins
     from kvbench.results import RunFolder
-    from kvbench.summary import summarize
-    from kvbench.sweep import expand, finished_cells, outcome, shard
+    from kvbench.sweep import finished_cells
 
     on_ray = _check_executor(executor, address=address, workers=workers, gpus_per_worker=gpus_per_worker,
                              verbose=verbose)
     if plugins:
         load_plugins(plugins)
-    cfg = load_config(config, overrides)
-    if batch_size is not None:
-        if batch_size < 1:
-            raise KvbenchError(f"--batch-size {batch_size}: a batch holds at least 1 sample")
-        cfg = cfg.model_copy(update={"batch_size": batch_size})
+    cfg = _with_batch_size(load_config(config, overrides), batch_size)
     cells = shard(expand(cfg), shard_spec)
     folder = RunFolder(output or cfg.output or _default_output(cfg.name, shard_spec))
     if dry_run:
@@ -93,24 +92,42 @@ def sweep(
         else:
             completed = _run_locally(cfg, cells, (pending or cells)[0].model, folder, shard_spec, force, quiet, share,
                                      retry_failed, trace)
-        frame = summarize(folder.path)
-        if not quiet and not frame.empty:
-            from kvbench.summary import model_facets
-            from kvbench.tables import sweep_table
-
-            for facet, rows in model_facets(frame):  # a table per model and dtype, when the grid has several
-                stdout.print(sweep_table(rows, f"{cfg.name}, {facet}" if facet else cfg.name))
-        stdout.print(f"run folder: {folder.path} (summary.md, summary.csv, records.jsonl)", highlight=False)
-        if not completed:
-            stderr.print("interrupted: run the same command again to resume")
-            raise typer.Exit(130)
-        counts, failed = outcome(folder, cells)
-        if failed:  # a CI job around the sweep must not pass
-            stderr.print("sweep failed: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
-                         + " (a cell in error, or none succeeded; --retry-failed runs them again)", highlight=False)
-            raise typer.Exit(1)
+        _report(cfg, cells, folder, completed, quiet)
     finally:
         folder.release()  # the run folder's write lock, for the next sweep (in this process too)
+
+
+def _with_batch_size(cfg: SweepConfig, batch_size: int | None) -> SweepConfig:
+    """The config with `--batch-size` in place of its own, when given."""
+    if batch_size is None:
+        return cfg
+    if batch_size < 1:
+        raise KvbenchError(f"--batch-size {batch_size}: a batch holds at least 1 sample")
+    return cfg.model_copy(update={"batch_size": batch_size})
+
+
+def _report(cfg: SweepConfig, cells: list[Cell], folder: RunFolder, completed: bool, quiet: bool) -> None:
+    """The summary's tables (unless quiet) and where the run folder is; exit 130 if the sweep was interrupted, 1 if it
+    failed."""
+    from kvbench.summary import summarize
+    from kvbench.sweep import outcome
+
+    frame = summarize(folder.path)
+    if not quiet and not frame.empty:
+        from kvbench.summary import model_facets
+        from kvbench.tables import sweep_table
+
+        for facet, rows in model_facets(frame):  # a table per model and dtype, when the grid has several
+            stdout.print(sweep_table(rows, f"{cfg.name}, {facet}" if facet else cfg.name))
+    stdout.print(f"run folder: {folder.path} (summary.md, summary.csv, records.jsonl)", highlight=False)
+    if not completed:
+        stderr.print("interrupted: run the same command again to resume")
+        raise typer.Exit(130)
+    counts, failed = outcome(folder, cells)
+    if failed:  # a CI job around the sweep must not pass
+        stderr.print("sweep failed: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+                     + " (a cell in error, or none succeeded; --retry-failed runs them again)", highlight=False)
+        raise typer.Exit(1)
 
 
 def _check_executor(executor: str, **ray_options: object) -> bool:
@@ -132,9 +149,9 @@ def _dry_run(path: str, cfg, cells, folder, share: bool, workers: int | None) ->
     """The grid's size and a rough time: summed, or on `workers` Ray workers taking the longest unit first. Runs
     nothing and needs neither the model's device nor the network: a model's size comes from its local config or a
     built-in shape, and what cannot be known is said."""
-    from kvbench.estimate import DTYPE_BYTES, SPEEDS, estimate_seconds, offline_shape
+    from kvbench.estimate import DTYPE_BYTES, SPEEDS, estimate_seconds, offline_shape, wall_seconds
     from kvbench.models import resolve_dtype
-    from kvbench.sweep import cell_work, wall_seconds, work_units
+    from kvbench.work import cell_work, work_units
 
     done = folder.done() if folder.manifest() else set()
     plans, unknown = {}, []
@@ -217,8 +234,9 @@ def _run_on_ray(cfg, cells, first_model, folder, shard_spec, force: bool, quiet:
 
 def _run(cells, folder, run_manifest, force: bool, quiet: bool, run_sweep: Callable[[Progress], bool]) -> bool:
     """Open the run folder and run the sweep with a progress bar; False if interrupted."""
+    from kvbench.cells import sample_total
+    from kvbench.outcomes import Progress
     from kvbench.results import now
-    from kvbench.sweep import Progress, sample_total
 
     folder.open(run_manifest, force)
     with progress_bar(disable=quiet) as bar:
@@ -246,9 +264,9 @@ def validate(
     plugins: str | None = PLUGINS,
 ) -> None:
     """Check a sweep config without running it."""
+    from kvbench.cells import expand
     from kvbench.config import load_config
     from kvbench.registry import load_plugins
-    from kvbench.sweep import expand
 
     if plugins:
         load_plugins(plugins)
