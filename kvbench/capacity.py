@@ -12,10 +12,10 @@ from typing import Any, Literal
 import torch
 
 from kvbench.errors import KvbenchError
+from kvbench.generation import generate_batch
 from kvbench.measure import memory_pressure
 from kvbench.models import LoadedModel
 from kvbench.policies import Policy
-from kvbench.session import generate_batch
 from kvbench.settings import RunSettings
 from kvbench.tasks.corpus import haystack_text, load_corpus
 

@@ -9,10 +9,11 @@ from collections.abc import Callable
 from typing import Any
 
 from kvbench.budgets import budget_description
+from kvbench.generation import Generation
 from kvbench.models import LoadedModel
 from kvbench.policies.base import Policy, takes_budget
-from kvbench.session import Generation, SharedPrefill
 from kvbench.settings import RunSettings
+from kvbench.sharing import SharedPrefill
 from kvbench.tasks.base import Sample, Task, encode_prompt
 
 SPEED = ("ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s")

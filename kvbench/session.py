@@ -21,28 +21,31 @@ session too: each row counts positions from its first real token, padding is mas
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import dataclasses
-import json
-import statistics
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 
-from kvbench.budgets import Threshold
 from kvbench.cache import CacheStats, KVCache, Phase
-from kvbench.errors import KvbenchError
+from kvbench.generation import Generation, Prompt, generate, generate_batch, generate_rows, left_padded
 from kvbench.measure import PeakMemory, Stopwatch
+from kvbench.measurements import cache_measurements, timings
 from kvbench.models import LoadedModel
 from kvbench.policies.base import Policy
 from kvbench.rows import RowAccounts
-from kvbench.settings import RunSettings, compression_plan, policy_budget, threshold_of
-from kvbench.settings import check_budget as check_budget  # re-exported: plugins and tests import from here
-from kvbench.settings import resolve_budget as resolve_budget
+from kvbench.settings import RunSettings, check_budget, compression_plan, policy_budget, resolve_budget, threshold_of
+from kvbench.sharing import SharedPrefill, compression_key, shared_prefill, wanted_compressions
+
+if TYPE_CHECKING:
+    from kvbench.cache import LayerKV
+
+# plugins, tests and benchmarks import the names of kvbench's other modules from here too
+__all__ = [
+    "Generation", "Prompt", "RunSettings", "Scored", "Session", "SharedPrefill", "cache_measurements", "check_budget",
+    "compression_key", "compression_plan", "generate", "generate_batch", "generate_rows", "left_padded",
+    "policy_budget", "resolve_budget", "shared_prefill", "threshold_of", "timings", "wanted_compressions",
+]
 
 
 class Scored(NamedTuple):
@@ -50,35 +53,6 @@ class Scored(NamedTuple):
 
     logprobs: torch.Tensor  # float32 log-probability of each token
     greedy: torch.Tensor  # bool: the token was the most likely one
-
-
-@dataclass
-class SharedPrefill:
-    """One forward over a prompt, gathering every listed policy's statistics; each cell of a sweep that
-    compresses this prompt starts from its cache instead of running the prompt again (compressing straight
-    from it into buffers of its own). Cells that compress it the same way (policy, resolved budget) share that
-    too: `wanted` counts them, and the first one's result is kept in `compressed` for the others to copy."""
-
-    cache: KVCache
-    logits: torch.Tensor
-    seconds: float
-    memory: PeakMemory
-    wanted: Counter[str] = dataclasses.field(default_factory=Counter)
-    compressed: dict[str, tuple[Policy, KVCache, float]] = dataclasses.field(default_factory=dict)
-
-    def select(self, rows: list[int], users: list[tuple[Policy, RunSettings]] = ()) -> SharedPrefill:
-        """The prefill of a batch's `rows` only (in that order), for cells that run those rows together; `users`
-        are their (policy, settings), as `shared_prefill` takes them."""
-        cache = self.cache.select_rows(rows)
-        prompt_tokens = cache.layers[0].seen - cache.row_padding[0]
-        return SharedPrefill(cache, self.logits[rows], self.seconds, self.memory,
-                             wanted_compressions(users, prompt_tokens))
-
-    def seconds_for(self, policy: Policy) -> float:
-        """The forward's time without the other policies' statistics: what `policy` alone would have spent."""
-        spent = self.cache.observe_seconds
-        own = sum(spent.get(leaf.state_key, 0.0) for leaf in {p.state_key: p for p in policy.observers()}.values())
-        return self.seconds - sum(spent.values()) + own
 
 
 class Session:
@@ -145,13 +119,18 @@ class Session:
         self.memory = PeakMemory(self.lm.devices).__enter__()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
+        assert self.memory is not None, "exited a `with session:` block it did not enter"
         self.memory.__exit__(*exc)
 
     @property
     def seen(self) -> int:
         """Tokens fed so far (a pending generated token not included)."""
-        return self.cache.layers[0].seen
+        return self._layers[0].seen
+
+    @property
+    def _layers(self) -> list[LayerKV]:
+        return cast("list[LayerKV]", self.cache.layers)  # transformers' `Cache` types them as its own kinds
 
     def measurements(self, row: int | None = None) -> dict[str, Any]:
         """The record's speed, byte and memory columns (after the `with` block). In a batch, `row`'s: its own
@@ -203,14 +182,11 @@ class Session:
         ids = self._inputs(ids)
         self._enter(Phase.PREFILL)
         clock = Stopwatch(self.lm.devices)
-        own_statistics = 0.0
+        shared_s = 0.0  # counted beyond this call's clock: its share of a shared forward (kvbench/sharing.py)
         self._count_fed(ids.shape[1])
         if shared is not None:
-            if self.settings.prefill == "chunked" or self.seen or shared.cache.layers[0].seen != ids.shape[1] \
-                    or not _same_rows(shared.cache, self.cache):
-                raise ValueError("a shared prefill serves only a `full` prefill of the same prompt")
             self.logits, self.shared = shared.logits, shared
-            own_statistics = shared.seconds_for(self.policy) + self._compress_shared(shared, ids, clock)
+            self.policy, self.cache, shared_s = shared.compress_for(self, ids, clock)
         else:
             chunk = self.settings.prefill_chunk if self.settings.prefill == "chunked" else ids.shape[1]
             for start in range(0, ids.shape[1], chunk):
@@ -220,7 +196,7 @@ class Session:
                 self._compress()
         self.cache.store_prompt()
         self._enter(Phase.DECODE)
-        self.prefill_s += clock.lap() + own_statistics
+        self.prefill_s += clock.lap() + shared_s
         self.tokens_fed += ids.numel()
 
     @torch.inference_mode()
@@ -263,7 +239,8 @@ class Session:
         if follow is not None and self.rows != 1:
             raise ValueError("follow() follows a single-row session")
         limits = _per_row(max_new_tokens, self.rows)
-        stops = [stop] * self.rows if not stop or isinstance(stop[0], str) else list(stop)
+        one = not stop or isinstance(stop[0], str)  # one tuple of stop strings for every row, or one per row
+        stops = cast("list[tuple[str, ...]]", [stop] * self.rows if one else list(stop))
         clock = Stopwatch(self.lm.devices)
         token = self.logits.argmax(-1).cpu()
         rows = [[t] for t in token.tolist()]
@@ -298,7 +275,7 @@ class Session:
             self._forward(ids)
         finally:
             self.cache.slides = True
-        for layer in self.cache.layers:
+        for layer in self._layers:
             layer.truncate(ids.shape[1])
 
     @torch.inference_mode()
@@ -352,34 +329,6 @@ class Session:
         return twin
 
     # --- internals -----------------------------------------------------------------------
-    def _compress_shared(self, shared: SharedPrefill, ids: torch.Tensor, clock: Stopwatch) -> float:
-        """Compress `shared`'s prompt into this session's cache, or copy the result of a cell that compressed it the
-        same way; returns the compression seconds a copy did not spend (charged as if it had)."""
-        wanted = compression_key(self.policy, self.budget, self.cache.threshold)
-        shared.wanted[wanted] -= 1
-        sizing = [self.cache.headroom, self.cache.growth] if self.cache.rows is None else \
-            [self.cache.rows.headroom.tolist(), self.cache.rows.growth.tolist()]
-        key = json.dumps([wanted, *sizing, self.cache.evict_every])
-        if key in shared.compressed and not self.settings.fidelity:
-            policy, cache, seconds = shared.compressed[key]
-            if shared.wanted[wanted] <= 0:  # the last cell to want it takes it
-                del shared.compressed[key]
-            else:
-                policy, cache = copy.deepcopy((policy, cache))
-            self.policy, self.cache = policy, cache
-            clock.lap()
-            return seconds
-        self.cache.adopt(shared.cache)
-        self.policy.after_prompt(self, ids)
-        self.cache.compress()
-        self.cache.own_entries()
-        if shared.wanted[wanted] > 0 and self.cache.evictions and not self.settings.fidelity:
-            seconds = clock.lap()
-            shared.compressed[key] = (*copy.deepcopy((self.policy, self.cache)), seconds)
-            clock.lap()  # the copy kept for the others is not this cell's work
-            return seconds
-        return 0.0
-
     def _inputs(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         """`[rows, n]` ids on the model's device, the pending token in front."""
         ids = torch.tensor([ids], dtype=torch.long) if isinstance(ids, list) else ids
@@ -400,8 +349,8 @@ class Session:
     def _forward(self, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """Feed `ids` `[rows, n]` after what the cache has seen; the logits `[rows, n, vocab]` of every
         position with `all_logits`, else of the last one only (`[rows, 1, vocab]`)."""
-        cache, lm = self.cache, self.lm
-        seen, length = cache.layers[0].seen, cache.layers[0].length
+        cache, lm, first = self.cache, self.lm, self._layers[0]
+        seen, length = first.seen, first.length
         positions = torch.arange(seen, seen + ids.shape[1], device=lm.device)[None]
         if cache.left_padding is not None:  # each row counts from its first real token; padding sits at 0
             positions = (positions - cache.left_padding.to(lm.device)[:, None]).clamp(min=0)
@@ -429,7 +378,7 @@ class Session:
     def _stopped(self, tokens: list[int], stop: tuple[str, ...]) -> bool:
         if not stop:
             return False
-        text = self.lm.tokenizer.decode(tokens, skip_special_tokens=True)
+        text = cast(str, self.lm.tokenizer.decode(tokens, skip_special_tokens=True))  # one sequence: one text
         return any(s in text.lstrip() for s in stop)
 
     def _count_fed(self, new: int) -> None:
@@ -446,230 +395,3 @@ def _per_row(value: int | Sequence[int], rows: int) -> list[int]:
     if len(value) != rows:
         raise ValueError(f"{len(value)} values for {rows} rows")
     return list(value)
-
-
-def _same_rows(shared: KVCache, cache: KVCache) -> bool:
-    """Whether a shared prefill's cache holds the rows `cache` is for (the same left padding)."""
-    return shared.row_padding == cache.row_padding
-
-
-def timings(prompt_tokens: int, prefill_s: float, ttft_s: float | None, step_s: list[float],
-            generated_tokens: int, decoded: int | None = None) -> dict[str, Any]:
-    """The record's speed columns; `step_s` are one-token steps, which decoded `decoded` tokens in all (default:
-    one each; a batch's step decodes one for every row still generating)."""
-    return {
-        "prompt_tokens": prompt_tokens,
-        "generated_tokens": generated_tokens,
-        "ttft_s": ttft_s,
-        "tpot_s": statistics.median(step_s) if step_s else None,
-        "prefill_tok_s": prompt_tokens / prefill_s,
-        "decode_tok_s": (len(step_s) if decoded is None else decoded) / sum(step_s) if step_s else None,
-    }
-
-
-def cache_measurements(cache: KVCache, memory: PeakMemory, earlier: list[PeakMemory] = (),
-                       shared: SharedPrefill | None = None, stats: CacheStats | None = None,
-                       row: int | None = None) -> dict[str, Any]:
-    """The cache's byte accounting and the process's memory peak: the record's memory columns. `earlier` are
-    the peaks of what this cache started from (a fork's parent): it peaked at least there. A cell of a `shared`
-    prefill reports its own peak (what it allocated after adopting, on top of what was there before the shared
-    forward) and, as `mem_group_peak_*`, the peak with the shared prefill counted; `kv_bytes_peak` counts the
-    prompt's full cache it compressed from, as a cell run alone holds it, and `kv_bytes_peak_own` its own
-    buffers. A batch's `row` gives its `stats` (its own cache's accounts); the memory peaks stay the batch's."""
-    stats = cache.stats() if stats is None else stats
-    memories = [memory, *earlier]
-    peaks = {column: _peak(memories, name) for column, name in MEMORY_PEAKS.items()}
-    own: dict[str, Any] = {}
-    if shared is not None:
-        started = earlier[0] if earlier else memory  # the first session's: entered before adopting
-        own = {column: _own_peak(peaks[column], started, shared.memory, name) for column, name in MEMORY_PEAKS.items()}
-        own.update({column.replace("mem_", "mem_group_"): _peak([*memories, shared.memory], name)
-                    for column, name in MEMORY_PEAKS.items()})
-        prompt = shared.cache.stats() if row is None or shared.cache.rows is None else shared.cache.row_stats(row)
-        own.update(kv_bytes_peak=max(stats.kv_bytes_peak, prompt.kv_bytes_peak), kv_bytes_peak_own=stats.kv_bytes_peak)
-    return {
-        **asdict(stats),
-        "cache_ratio": stats.cache_ratio,
-        "read_ratio": stats.read_ratio,
-        **peaks,
-        **own,
-        "mem_baseline": memory.baseline_bytes,
-        "mem_device_note": memory.device_note,
-        **({} if cache.limit_bytes is None else {
-            "kv_limit_bytes": cache.limit_bytes,
-            # the limit bounds the cache; what the process grew by says whether the rest fit too
-            "mem_growth_over_limit": memory.peak_bytes - memory.baseline_bytes > cache.limit_bytes}),
-        "prefill_shared": shared is not None,
-        "layer_kinds": cache.layer_kinds(),
-    }
-
-
-# the record's memory peak columns: PeakMemory's peak attribute, whose baseline is the same name with `baseline`
-MEMORY_PEAKS = {"mem_peak_alloc": "peak_bytes", "mem_peak_reserved": "peak_reserved", "mem_peak_device": "peak_device"}
-
-
-def _peak(memories: list[PeakMemory], name: str) -> int | None:
-    values = [getattr(memory, name) for memory in memories if getattr(memory, name) is not None]
-    return max(values) if values else None
-
-
-def _own_peak(peak: int | None, started: PeakMemory, before: PeakMemory, name: str) -> int | None:
-    """`peak` without what the shared prefill added: the cell's growth since `started` on top of the baseline
-    `before` the shared forward."""
-    baseline = name.replace("peak", "baseline")
-    if peak is None or getattr(started, baseline, None) is None or getattr(before, baseline, None) is None:
-        return None
-    return getattr(before, baseline) + peak - getattr(started, baseline)
-
-
-def compression_key(policy: Policy, budget: int | None, threshold: Threshold | None = None) -> str:
-    """What a shared prompt's compression depends on besides the prompt: cells with one key compress it alike."""
-    return json.dumps([policy.describe(), budget, *([threshold.describe()] if threshold else [])], sort_keys=True,
-                      default=str)
-
-
-# --- what most tasks need: one prompt, one answer ------------------------------------------------
-
-@dataclass
-class Generation:
-    """What a task's run returns: the text, its tokens, the final logits, and the measurements."""
-
-    prediction: str
-    tokens: list[int]
-    last_logits: torch.Tensor | None
-    measurements: dict[str, Any]
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # a task's own outputs (see Task.outcome)
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One row of a batch: its context and question token ids (the question appended after compression with
-    `question: agnostic`), and how its answer ends."""
-
-    context: list[int]
-    question: list[int]
-    max_new_tokens: int
-    stop: tuple[str, ...] = ()
-
-
-def generate(lm: LoadedModel, policy: Policy, context_ids: list[int], question_ids: list[int],
-             settings: RunSettings, max_new_tokens: int, stop: tuple[str, ...] = (),
-             eos_token_ids: set[int] | None = None, shared: SharedPrefill | None = None) -> Generation:
-    """Prefill (or adopt `shared`, a prefill of the same prompt in `full` mode), compress, decode greedily."""
-    return generate_rows(lm, policy, [Prompt(context_ids, question_ids, max_new_tokens, stop)], settings,
-                         eos_token_ids, shared)[0]
-
-
-def generate_rows(lm: LoadedModel, policy: Policy, prompts: list[Prompt], settings: RunSettings,
-                  eos_token_ids: set[int] | None = None, shared: SharedPrefill | None = None) -> list[Generation]:
-    """`generate` for several prompts at once, left-padded into one batch (`shared`: a shared prefill of these
-    prompts, in this order): each row's answer and its record's columns as `generate` gives them for the prompt
-    alone, but for the times and memory peaks, which are the batch's (`Session.measurements`). Every row must
-    resolve the budget alike (`compression_plan`), and with `question: agnostic` their questions (appended
-    together after compression) must be of one length."""
-    agnostic = settings.question == "agnostic"
-    eos = lm.eos_token_ids if eos_token_ids is None else eos_token_ids
-    single = len(prompts) == 1
-    if agnostic and len({len(p.question) for p in prompts}) > 1:
-        raise ValueError("the rows of an agnostic batch append questions of one length")
-    fed = [p.context if agnostic else p.context + p.question for p in prompts]
-    ids, padding = (fed[0], None) if single else left_padded(lm, fed)
-
-    def session_of(policy: Policy, observers: list[Policy] | None = None) -> Session:
-        return Session(lm, policy, settings, prompt_tokens=[len(p.context) + len(p.question) for p in prompts],
-                       arrival=[len(p.question) if agnostic else 1 for p in prompts], observers=observers,
-                       growth=[p.max_new_tokens + (len(p.question) if agnostic else 0) for p in prompts],
-                       left_padding=padding)
-
-    def prefill(session: Session) -> None:
-        session.prefill(ids, shared=shared)
-        if agnostic and prompts[0].question:
-            session.append(prompts[0].question if single else torch.tensor([p.question for p in prompts]))
-
-    follower, observers = None, None
-    if settings.fidelity:  # the full-cache reference, fed the same prompt (free with a shared prefill)
-        if not single:
-            raise ValueError("fidelity follows one prompt at a time")
-        from kvbench.fidelity import AttentionRecorder, Follower
-        from kvbench.policies.full import Full
-
-        full_attention, kept = AttentionRecorder("full"), AttentionRecorder("policy")
-        reference = session_of(Full(), [full_attention])
-        prefill(reference)
-        follower, observers = Follower(reference, full_attention, kept), [policy, kept]
-    session = session_of(policy, observers)
-    with session:
-        prefill(session)
-        answers = session.decode([p.max_new_tokens for p in prompts], eos, [p.stop for p in prompts],
-                                 follow=follower)
-    generations = []
-    for row, (prompt, tokens) in enumerate(zip(prompts, answers, strict=True)):
-        tokens = tokens[:-1] if tokens[-1] in eos else tokens
-        text = lm.tokenizer.decode(tokens, skip_special_tokens=True)
-        if single:
-            measured = {**session.measurements(), **(follower.measurements() if follower else {})}
-            logits = session.logits
-        else:
-            measured, logits = session.measurements(row), session.row_logits(row)[None]
-        generations.append(Generation(_cut(text, prompt.stop), tokens, logits, measured))
-    return generations
-
-
-def left_padded(lm: LoadedModel, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[rows, longest]` ids, each prompt left-padded to the longest, and each row's padding `[rows]`."""
-    longest = max(map(len, prompts))
-    pad_id = lm.pad_token_id
-    padding = torch.tensor([longest - len(p) for p in prompts])
-    return torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts]), padding
-
-
-def generate_batch(lm: LoadedModel, policy: Policy, prompts: list[list[int]], settings: RunSettings,
-                   max_new_tokens: int, eos_token_ids: set[int] | None = None,
-                   ) -> tuple[list[list[int]], dict[str, Any]]:
-    """Greedy decoding of several prompts in one cache: left-padded to the longest (padding is masked, evicted
-    first and never counted as kept), the budget resolved against the longest. Returns each row's tokens (up to
-    its end of sequence) and the whole batch's measurements (its cache's bytes over every row: what a capacity
-    search fits into memory)."""
-    ids, padding = left_padded(lm, prompts)
-    eos = lm.eos_token_ids if eos_token_ids is None else eos_token_ids
-    session = Session(lm, policy, settings, prompt_tokens=ids.shape[1], growth=max_new_tokens, left_padding=padding)
-    with session:
-        session.prefill(ids)
-        rows = session.decode(max_new_tokens, eos)
-    rows = [row[:-1] if row[-1] in eos else row for row in rows]
-    return rows, {**session.measurements(), "batch": len(prompts)}
-
-
-def shared_prefill(lm: LoadedModel, ids: list[int] | list[list[int]], observers: list[Policy],
-                   settings: list[RunSettings] | None = None) -> SharedPrefill:
-    """The prompt's forward once (or a batch's prompts, left-padded into one forward), gathering every
-    `observers` policy's statistics, for cells to adopt. `settings`, paired with `observers`, are those of the
-    cells that will adopt it: the ones that compress it alike then compress it once."""
-    from kvbench.policies.full import Full
-
-    prompts = [row for row in ids if isinstance(row, list)] or [ids]
-    batch = left_padded(lm, prompts) if len(prompts) > 1 else None
-    session = Session(lm, Full(), RunSettings(), prompt_tokens=[len(p) for p in prompts], growth=0,
-                      observers=observers, left_padding=None if batch is None else batch[1])
-    with session:
-        session.prefill(ids if batch is None else batch[0])
-    wanted = wanted_compressions(list(zip(observers, settings or [], strict=False)), len(prompts[0]))
-    return SharedPrefill(session.cache, session.logits, session.prefill_s, session.memory, wanted)
-
-
-def wanted_compressions(users: Sequence[tuple[Policy, RunSettings]], prompt_tokens: int) -> Counter[str]:
-    """How many of the cells that adopt a shared prefill (each its policy and settings) compress it each way: the
-    first of those that compress alike keeps its result for the others to copy."""
-    wanted: Counter[str] = Counter()
-    for policy, setting in users:
-        with contextlib.suppress(KvbenchError):  # a cell that cannot run this budget fails on its own
-            wanted[compression_key(policy, policy_budget(policy, setting, prompt_tokens, chunked=False),
-                                   threshold_of(setting))] += 1
-    return wanted
-
-
-def _cut(text: str, stop: tuple[str, ...]) -> str:
-    text = text.strip()
-    for s in stop:
-        text = text.split(s, 1)[0]
-    return text.strip()

@@ -93,7 +93,8 @@ def head_scores(lm, tokens: int) -> tuple[HeadScores, bool]:
 def calibrate(lm, tokens: int) -> HeadScores:
     """One forward over `tokens` random token ids repeated twice, through kvbench's own session (the attention
     statistics path every attention-scored policy uses)."""
-    from kvbench.session import RunSettings, Session  # the session imports the policies
+    from kvbench.session import Session  # the session imports the policies
+    from kvbench.settings import RunSettings
 
     vocab = lm.model.config.vocab_size
     sequence = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(CALIBRATION_SEED))

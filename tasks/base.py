@@ -12,9 +12,11 @@ from kvbench.errors import KvbenchError
 from kvbench.registry import Registry, declared_params
 
 if TYPE_CHECKING:
+    from kvbench.generation import Generation
     from kvbench.models import LoadedModel
     from kvbench.policies.base import Policy
-    from kvbench.session import Generation, RunSettings, SharedPrefill
+    from kvbench.settings import RunSettings
+    from kvbench.sharing import SharedPrefill
 
 # Splits the rendered chat prompt into the context part and the question part (see encode_prompt).
 _SPLIT = "\x00KVBENCH-QUESTION\x00"
@@ -83,7 +85,7 @@ class Task:
                  shared: SharedPrefill | None = None) -> list[Generation]:
         """`run` for several samples at once, left-padded into one batch (`shared`: their shared prefill, in this
         order): each one's answer as `run` gives it alone."""
-        from kvbench.session import Prompt, generate_rows
+        from kvbench.generation import Prompt, generate_rows
 
         prompts = [Prompt(*encode_prompt(lm.tokenizer, sample), settings.max_new_tokens or sample.max_new_tokens,
                           sample.stop) for sample in samples]

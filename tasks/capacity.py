@@ -47,7 +47,7 @@ class Capacity(Task):
     def run(self, lm, policy, sample, settings, shared=None):
         from kvbench.capacity import capacity
         from kvbench.estimate import parse_bytes
-        from kvbench.session import Generation
+        from kvbench.generation import Generation
 
         found = capacity(lm, policy, settings, self.search, context=sample.meta["context"], batch=self.batch,
                          decode_steps=self.decode_steps, bound=self.max, corpus=self.corpus,

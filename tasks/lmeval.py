@@ -68,7 +68,7 @@ class LmEval(Task):
                                f"one context length (the longest prompt a cell may feed), got {context_lengths}")
 
     def run(self, lm, policy, sample, settings, shared=None):
-        from kvbench.session import Generation
+        from kvbench.generation import Generation
 
         if settings.question == "agnostic" and self.split_at is None:
             raise KvbenchError("task 'lm_eval' with question: agnostic needs `split_at`: lm-eval requests carry no "

@@ -66,7 +66,8 @@ class Perplexity(Task):
         return (0, context_length) if self.mode == "exact" else (context_length, 0)
 
     def run(self, lm, policy, sample, settings, shared=None):
-        from kvbench.session import Generation, Session
+        from kvbench.generation import Generation
+        from kvbench.session import Session
 
         ids = sample.token_ids
         step = 1 if self.mode == "exact" else self.chunk
