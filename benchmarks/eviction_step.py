@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvbench.cache import KVCache, Phase
+from kvbench.cache import CacheSettings, KVCache, Phase
 from kvbench.measure import synchronize
 from kvbench.models import resolve_device, resolve_dtype
 from kvbench.policies import build_policy
@@ -53,8 +53,8 @@ def main() -> None:
     args, device, dtype = parse_args(__doc__.splitlines()[0], "budget", 4096)
 
     def filled(policy_name: str) -> KVCache:
-        cache = KVCache(LAYERS, (1, KV_HEADS, HEAD_DIM), build_policy(policy_name), args.budget, headroom=1,
-                        phase=Phase.DECODE)
+        cache = KVCache(LAYERS, (1, KV_HEADS, HEAD_DIM), build_policy(policy_name),
+                        CacheSettings(budget=args.budget, headroom=1), phase=Phase.DECODE)
         prompt = torch.randn(1, KV_HEADS, args.budget, HEAD_DIM, dtype=dtype, device=device)
         for layer in cache.layers:
             layer.update(prompt, prompt)

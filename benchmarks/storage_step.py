@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from eviction_step import median_ms, parse_args  # this folder's sibling script
 
-from kvbench.cache import KVCache, Phase
+from kvbench.cache import CacheSettings, KVCache, Phase
 from kvbench.policies import build_policy
 
 KV_HEADS, HEADS, HEAD_DIM = 8, 32, 128
@@ -36,8 +36,8 @@ def main() -> None:
     query = torch.randn(1, HEADS, 1, HEAD_DIM, dtype=dtype, device=device)
     layers = {}
     for label, (name, params) in STORAGES.items():
-        cache = KVCache(1, (1, KV_HEADS, HEAD_DIM), build_policy(name, params), None, growth=3 * args.repeats + 8,
-                        phase=Phase.DECODE)
+        cache = KVCache(1, (1, KV_HEADS, HEAD_DIM), build_policy(name, params),
+                        CacheSettings(growth=3 * args.repeats + 8), phase=Phase.DECODE)
         cache.layers[0].update(prompt, prompt)
         if label.endswith("evicted"):  # slot 0 of each head goes; the last slot fills it
             cache.layers[0].evict(torch.zeros(1, KV_HEADS, 1, dtype=torch.long, device=device))

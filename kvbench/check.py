@@ -25,12 +25,14 @@ from typing import Any, Literal, cast
 
 import torch
 
-from kvbench.cache import KVCache, LayerKV
+from kvbench.cache import KVCache
 from kvbench.errors import KvbenchError
 from kvbench.measure import Stopwatch, memory_pressure, open_nvml, tracing
 from kvbench.models import LoadedModel
 from kvbench.policies import POLICIES, build_policy
-from kvbench.session import RunSettings, Session
+from kvbench.policies.base import Schedule
+from kvbench.session import Session
+from kvbench.settings import RunSettings
 from kvbench.storage import StoredLayerKV
 from kvbench.tolerance import model_tolerance
 
@@ -233,7 +235,7 @@ def check_layers(lm: LoadedModel, prompt: list[int]) -> Check:
     session = Session(lm, build_policy("full"), RunSettings(), prompt_tokens=len(prompt), growth=1)
     with session:
         session.prefill(prompt)
-    held = [int(layer.live_positions().shape[-1]) for layer in cache_layers(session.cache)]
+    held = [int(layer.live_positions().shape[-1]) for layer in session.cache.layers]
     wrong = [f"layer {i} holds {n}" for i, (n, kind) in enumerate(zip(held, kinds, strict=True))
              if n != (len(prompt) if kind.window is None else kind.window - 1)]
     detail = f"{shape}; after {len(prompt)} tokens the sliding layers hold window - 1 entries, the full ones all"
@@ -258,14 +260,11 @@ def kept_history(lm: LoadedModel, policy_name: str, prompt: list[int], decode: l
     return history, session.policy
 
 
-def cache_layers(cache: KVCache) -> list[LayerKV]:
-    return cast(list[LayerKV], cache.layers)
-
 
 def kept_masks(cache: KVCache) -> list[torch.Tensor]:
     """Per layer, a `[kv_heads, seen]` mask of the positions the cache physically holds (the first row's)."""
     masks = []
-    for layer in cache_layers(cache):
+    for layer in cache.layers:
         positions = layer.live_positions()[0].cpu()
         mask = torch.zeros(positions.shape[0], layer.seen, dtype=torch.bool)
         padding = layer.padding()
@@ -280,7 +279,7 @@ def kept_channels(cache: KVCache) -> list[torch.Tensor]:
     row's): all of them, but those ThinK prunes."""
     _, heads, head_dim = cache.batch_heads_dim
     masks = []
-    for layer in cache_layers(cache):
+    for layer in cache.layers:
         channels = layer.final.keys.kept_channels() if isinstance(layer, StoredLayerKV) else None
         mask = torch.ones(heads, head_dim, dtype=torch.bool)
         masks.append(mask if channels is None else mask.zero_().scatter_(1, channels[0].cpu(), True))
@@ -314,7 +313,7 @@ def check_policy(lm: LoadedModel, name: str, prompt: list[int], decode: list[int
         policy.check_budget(budget)
     except KvbenchError as exc:
         return Check(f"policy.{name}.{label}", "skip", f"{name} at {budget} of {len(prompt)} tokens: {exc}")
-    steps = decode if policy.evicts_during_decode else []
+    steps = decode if policy.schedule is Schedule.DECODE else []
     ours, policy = kept_history(lm, name, prompt, steps, budget)
     theirs, scores = policy.reference(lm, prompt, steps, budget)
     mean, worst = agreement(ours if scores is None else ours[:1], theirs, scores)
@@ -374,7 +373,7 @@ def _measured_full(lm: LoadedModel, prompt: list[int]) -> tuple[dict[str, Any], 
     with session:
         session.prefill(prompt)
         session.decode(4, set())
-    storage = sum(int(tensor.untyped_storage().nbytes()) for layer in cache_layers(session.cache)
+    storage = sum(int(tensor.untyped_storage().nbytes()) for layer in session.cache.layers
                   for tensor in (layer.keys, layer.values) if tensor is not None)
     return session.measurements(), storage
 

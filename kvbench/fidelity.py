@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvbench.attention import attention_probs
-from kvbench.policies.base import Policy
+from kvbench.policies.base import Policy, Schedule
 
 
 @dataclasses.dataclass
@@ -29,7 +29,7 @@ class AttentionRecorder(Policy):
     heads' query heads averaged) and the positions those slots hold."""
 
     name: ClassVar[str] = "attention_recorder"
-    phases: ClassVar[tuple[str, ...]] = ()
+    schedule: ClassVar[Schedule] = Schedule.NONE
     needs_attention: ClassVar[bool] = True
     side: str = "full"  # names its statistics apart from the other session's recorder
     last: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict, init=False)

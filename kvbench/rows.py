@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from kvbench.cache import CacheStats, KVCache, LayerKV
+    from kvbench.accounting import CacheStats
+    from kvbench.cache import KVCache
+    from kvbench.layer import LayerKV
 
 
 class RowAccounts:
@@ -123,9 +125,9 @@ class RowAccounts:
 
     def stats(self, cache: KVCache, row: int) -> CacheStats:
         """The row's `CacheStats`, as an unbatched cache of it reports them."""
-        from kvbench.cache import CacheStats
+        from kvbench.accounting import CacheStats
 
-        kv_layers = cast("list[LayerKV]", cache.layers)
+        kv_layers = cache.layers
         layers = [i for i, layer in enumerate(kv_layers) if layer.is_initialized]
         if not layers:
             return CacheStats(0, 0, 0, 0, 0.0, 0, 0, 0)

@@ -27,18 +27,18 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 
-from kvbench.cache import CacheStats, KVCache, Phase
+from kvbench.cache import CacheSettings, CacheStats, KVCache, Phase
 from kvbench.generation import Generation, Prompt, generate, generate_batch, generate_rows, left_padded
 from kvbench.measure import PeakMemory, Stopwatch
 from kvbench.measurements import cache_measurements, timings
 from kvbench.models import LoadedModel
-from kvbench.policies.base import Policy
+from kvbench.policies.base import Policy, Schedule
 from kvbench.rows import RowAccounts
 from kvbench.settings import RunSettings, check_budget, compression_plan, policy_budget, resolve_budget, threshold_of
 from kvbench.sharing import SharedPrefill, compression_key, shared_prefill, wanted_compressions
 
 if TYPE_CHECKING:
-    from kvbench.cache import LayerKV
+    pass
 
 # plugins, tests and benchmarks import the names of kvbench's other modules from here too
 __all__ = [
@@ -89,14 +89,14 @@ class Session:
         accounts = None if left_padding is None or policy.layout() is not None else \
             RowAccounts(lm.num_layers, lm.kv_heads, left_padding.tolist(), growths, headrooms)
         # a sparse policy's budget bounds what each decode step reads, not what the cache keeps
-        sparse = policy.family == "sparse"
-        self.cache = KVCache(lm.num_layers, (self.rows, lm.kv_heads, lm.head_dim), policy,
-                             None if sparse else self.budget, read_budget=self.budget if sparse else None,
-                             evict_every=evict_every, headroom=max(headrooms), growth=max(growths),
-                             observers=observers, limit_bytes=settings.kv_limit_bytes, prompt_tokens=prompts[0],
-                             left_padding=left_padding if padded else None, model=lm.internals,
-                             kinds=lm.layer_kinds, rows=accounts,
-                             threshold=None if self.budget is None else threshold_of(settings))
+        sparse = policy.schedule is Schedule.READ
+        sizing = CacheSettings(budget=None if sparse else self.budget, read_budget=self.budget if sparse else None,
+                               threshold=None if self.budget is None else threshold_of(settings),
+                               evict_every=evict_every, headroom=max(headrooms), growth=max(growths),
+                               limit_bytes=settings.kv_limit_bytes, prompt_tokens=prompts[0])
+        self.cache = KVCache(lm.num_layers, (self.rows, lm.kv_heads, lm.head_dim), policy, sizing,
+                             observers=observers, left_padding=left_padding if padded else None, model=lm.internals,
+                             kinds=lm.layer_kinds, rows=accounts)
         self.logits: torch.Tensor | None = None  # [rows, vocab]: the prediction of the next token
         self.pending: list[int] = []  # a generated token not fed yet: it goes in front of what comes next
         self.shared: SharedPrefill | None = None
@@ -126,11 +126,7 @@ class Session:
     @property
     def seen(self) -> int:
         """Tokens fed so far (a pending generated token not included)."""
-        return self._layers[0].seen
-
-    @property
-    def _layers(self) -> list[LayerKV]:
-        return cast("list[LayerKV]", self.cache.layers)  # transformers' `Cache` types them as its own kinds
+        return self.cache.layers[0].seen
 
     def measurements(self, row: int | None = None) -> dict[str, Any]:
         """The record's speed, byte and memory columns (after the `with` block). In a batch, `row`'s: its own
@@ -139,7 +135,9 @@ class Session:
         `decode_tok_s`: the batch's throughput; the memory peaks: the batch's). Without `row`, the whole batch."""
         if self.memory is None:
             raise RuntimeError("measurements() needs the session to have run inside `with session:`")
-        scope = self.policy.budget_scope if self.decoded else ("prefill" if self.policy.phases else "none")
+        schedule = self.policy.schedule
+        # before any decode step, a decode-time budget has bounded the prompt only, and a sparse one nothing
+        scope = schedule if self.decoded else (Schedule.PREFILL if schedule.evicts else Schedule.NONE)
         if self.rows == 1:
             speed = timings(self.tokens_fed, self.prefill_s, self.ttft_s, self.step_s, self.generated_tokens)
         else:
@@ -161,7 +159,7 @@ class Session:
 
     def _threshold_measurements(self) -> dict[str, Any]:
         """A threshold cell's record: its threshold and what it achieved in each layer (`cache_ratio` is the
-        whole cache's). Its rows run alone (`sweep._alone`), so the cache is the sample's."""
+        whole cache's). Its rows run alone (`batching._alone`), so the cache is the sample's."""
         threshold = self.cache.threshold
         if threshold is None:
             return {}
@@ -275,7 +273,7 @@ class Session:
             self._forward(ids)
         finally:
             self.cache.slides = True
-        for layer in self._layers:
+        for layer in self.cache.layers:
             layer.truncate(ids.shape[1])
 
     @torch.inference_mode()
@@ -343,13 +341,13 @@ class Session:
 
     def _compress(self) -> None:
         """Evict to the budget: always after prompt text, in the decode phase only for a decode-time policy."""
-        if self.cache.phase is Phase.PREFILL or self.policy.evicts_during_decode:
+        if self.cache.phase is Phase.PREFILL or self.policy.schedule is Schedule.DECODE:
             self.cache.compress()
 
     def _forward(self, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """Feed `ids` `[rows, n]` after what the cache has seen; the logits `[rows, n, vocab]` of every
         position with `all_logits`, else of the last one only (`[rows, 1, vocab]`)."""
-        cache, lm, first = self.cache, self.lm, self._layers[0]
+        cache, lm, first = self.cache, self.lm, self.cache.layers[0]
         seen, length = first.seen, first.length
         positions = torch.arange(seen, seen + ids.shape[1], device=lm.device)[None]
         if cache.left_padding is not None:  # each row counts from its first real token; padding sits at 0

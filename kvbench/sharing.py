@@ -19,11 +19,12 @@ import torch
 
 from kvbench.errors import KvbenchError
 from kvbench.generation import left_padded
+from kvbench.layer import PADDING, LayerKV
 from kvbench.settings import RunSettings, policy_budget, threshold_of
 
 if TYPE_CHECKING:
     from kvbench.budgets import Threshold
-    from kvbench.cache import KVCache, LayerKV
+    from kvbench.cache import KVCache
     from kvbench.measure import PeakMemory, Stopwatch
     from kvbench.models import LoadedModel
     from kvbench.policies.base import Policy
@@ -47,14 +48,14 @@ class SharedPrefill:
     def select(self, rows: list[int], users: Sequence[tuple[Policy, RunSettings]] = ()) -> SharedPrefill:
         """The prefill of a batch's `rows` only (in that order), for cells that run those rows together; `users`
         are their (policy, settings), as `shared_prefill` takes them."""
-        part = SharedPrefill(self.cache.select_rows(rows), self.logits[rows], self.seconds, self.memory)
+        part = SharedPrefill(select_rows(self.cache, rows), self.logits[rows], self.seconds, self.memory)
         part.wanted = wanted_compressions(users, part.fed - part.cache.row_padding[0])
         return part
 
     @property
     def fed(self) -> int:
         """Tokens the forward fed each row, its left padding included."""
-        return cast("list[LayerKV]", self.cache.layers)[0].seen  # transformers' `Cache` types them as its own kinds
+        return self.cache.layers[0].seen
 
     def seconds_for(self, policy: Policy) -> float:
         """The forward's time without the other policies' statistics: what `policy` alone would have spent."""
@@ -85,10 +86,10 @@ class SharedPrefill:
                 policy, kept = copy.deepcopy((policy, kept))
             clock.lap()
             return policy, kept, statistics_s + seconds
-        cache.adopt(self.cache)
+        adopt(cache, self.cache)
         session.policy.after_prompt(session, ids)
         cache.compress()
-        cache.own_entries()
+        own_entries(cache)
         if self.wanted[wanted] > 0 and cache.evictions and not session.settings.fidelity:
             seconds = clock.lap()
             self.compressed[key] = (*copy.deepcopy((session.policy, cache)), seconds)
@@ -131,3 +132,57 @@ def shared_prefill(lm: LoadedModel, ids: list[int] | list[list[int]], observers:
     assert session.logits is not None and session.memory is not None, "measured over a prefill"
     wanted = wanted_compressions(list(zip(observers, settings or [], strict=False)), len(prompts[0]))
     return SharedPrefill(session.cache, session.logits, session.prefill_s, session.memory, wanted)
+
+
+def adopt(cache: KVCache, shared: KVCache) -> None:
+    """Start from a shared prefill's cache (with this policy's statistics), as if `cache` had run the prompt
+    itself, so compressing it gives identical results. Plain layers borrow the shared entries (compression
+    gathers the kept ones into `cache`'s own buffers: the shared cache plus the compressed one, never two
+    full copies); compressed-storage layers encode a copy. Call `own_entries` after compressing."""
+    if cache.rows is not None and shared.rows is None:
+        raise ValueError("a batch adopts a shared prefill of the same rows")
+    stats = [*cache.policy.state_keys(), PADDING]  # a batch's padding marks come along
+    for mine, theirs in zip(cache.layers, shared.layers, strict=True):
+        if type(mine) is LayerKV:
+            mine.borrow(theirs, stats=stats)
+            if cache.rows is not None and shared.rows is not None:
+                cache.rows.adopted(mine.layer_idx, shared.rows)
+        else:
+            mine.copy_from(theirs, stats=stats)
+
+
+def own_entries(cache: KVCache) -> None:
+    """Copy what compression left borrowed (a layer it did not shrink) into buffers of `cache`'s own."""
+    for layer in cache.layers:
+        if layer.is_initialized:
+            layer.own()
+            if cache.rows is not None:
+                cache.rows.owned(cache, layer.layer_idx)
+
+
+def select_rows(cache: KVCache, rows: list[int]) -> KVCache:
+    """A copy of batch `cache`'s `rows` only (a shared prefill's cache, as fed), as a batch of them alone holds
+    it: their entries, re-padded to the longest of them (one row: no padding, no accounts but its own), and
+    their accounts. A cell that runs only some of a shared prefill's rows together starts from it."""
+    accounts = cache.rows
+    assert accounts is not None, "select_rows() selects rows of a batch"
+    fed = [cache.layers[0].seen - cache.row_padding[row] for row in rows]  # each row's own tokens
+    seen = max(fed)
+    padding = [seen - tokens for tokens in fed]
+    twin = copy.copy(cache)
+    twin.batch_heads_dim = (len(rows), *cache.batch_heads_dim[1:])
+    twin.row_padding, twin.max_padding = padding, max(padding)
+    twin.left_padding = torch.tensor(padding) if max(padding) else None
+    twin.rows = accounts.select(rows, padding) if len(rows) > 1 else None
+    twin.reads = cache.reads.select(rows)
+    twin.observe_seconds = dict(cache.observe_seconds)
+    index = torch.tensor(rows, device=cache.layers[0].device)
+    widths = accounts.held[:, rows].max(axis=(1, 2))
+    assert all(layer.is_initialized for layer in cache.layers), "select_rows() selects from a prompt fed"
+    twin.layers = [layer.select_rows(twin, index, int(width), seen)
+                   for layer, width in zip(cache.layers, widths, strict=True)]
+    if twin.rows is None:  # one row: its own counters, as its unbatched cache keeps them
+        twin.peak_bytes = int(accounts.peak[rows[0]])
+        for layer in twin.layers:
+            layer.max_held = int(accounts.max_held[layer.layer_idx, rows[0]])
+    return twin

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.cache import LayerKV, _expand
 from kvbench.codecs import Codec, Fields, Positions, put_rows
 from kvbench.errors import KvbenchError
+from kvbench.layer import LayerKV, slot_index
 
 
 @dataclass
@@ -142,7 +142,7 @@ class StoredLayerKV(LayerKV):
     # --- storage --------------------------------------------------------------------------
     @property
     def capacity(self) -> int:
-        return 0 if self.positions is None else self.positions.shape[-1]
+        return self.positions.shape[-1] if self.allocated else 0
 
     def live_keys(self) -> torch.Tensor:
         return self._decoded()[0]
@@ -158,7 +158,7 @@ class StoredLayerKV(LayerKV):
         return super().physical_bytes() + self._ring_bytes + tables
 
     def live_bytes(self) -> int:
-        if self.positions is None:  # initialized, nothing stored yet
+        if not self.allocated:  # initialized, nothing stored yet
             return 0
         padding = self.padding()
         if self.in_order and padding is None:  # each tier holds a range of positions in every head: the host knows
@@ -183,12 +183,8 @@ class StoredLayerKV(LayerKV):
             total += tier.keys.table_bytes(held) + tier.values.table_bytes(held)
         return total
 
-    def _positions(self) -> torch.Tensor:
-        assert self.positions is not None, "the slots are allocated before any is stored or moved"
-        return self.positions
-
     def _buffers(self) -> list[torch.Tensor]:
-        return [self._positions(), *self.fields.values(), *self.slot_stats.values()]
+        return [self.positions, *self.fields.values(), *self.slot_stats.values()]
 
     def _allocate_entries(self, capacity: int) -> None:
         batch, heads, head_dim = self.owner.batch_heads_dim
@@ -263,7 +259,7 @@ class StoredLayerKV(LayerKV):
         for index, (low, high) in enumerate(joining):
             if low < high:
                 slots = slice(low + offset, high + offset)
-                positions = self._positions()[:, :, slots]
+                positions = self.positions[:, :, slots]
                 self._encode(index, keys[:, :, slots], values[:, :, slots], slots, positions,
                              torch.ones_like(positions, dtype=torch.bool), newest=self.seen - 1)
 
@@ -277,7 +273,7 @@ class StoredLayerKV(LayerKV):
         moved[..., new_from:] = True
         slots = moved.to(torch.int8).topk(moving, dim=-1, sorted=False).indices  # [B, H, moving], distinct per head
         moved, after, positions = moved.gather(2, slots), after.gather(2, slots), positions.gather(2, slots)
-        keys, values = keys.gather(2, _expand(slots, keys)), values.gather(2, _expand(slots, values))
+        keys, values = keys.gather(2, slot_index(slots, keys)), values.gather(2, slot_index(slots, values))
         for index in range(len(self.layout.tiers)):
             self._encode(index, keys, values, slots, positions, moved & (after == index), newest=self.seen - 1)
 
@@ -297,13 +293,13 @@ class StoredLayerKV(LayerKV):
             size = self.ring_sizes[index]
             cells = torch.where(chosen, positions % size, size)  # the others write the spare cell
             for name, buffer in self.rings[index].items():
-                buffer.scatter_(2, _expand(cells, buffer), encoded[name])
+                buffer.scatter_(2, slot_index(cells, buffer), encoded[name])
         elif isinstance(slots, slice):
             for name, buffer in self.fields.items():
                 buffer[:, :, slots] = torch.where(chosen[..., None], encoded[name], buffer[:, :, slots])
         else:
             for name, buffer in self.fields.items():
-                per_head = _expand(slots, buffer)
+                per_head = slot_index(slots, buffer)
                 buffer.scatter_(2, per_head, torch.where(chosen[..., None], encoded[name], buffer.gather(2, per_head)))
 
 

@@ -28,7 +28,7 @@ from kvbench.models import LoadedModel, load_model
 from kvbench.outcomes import FolderOutcomes, Outcomes, Progress
 from kvbench.results import RunFolder, now
 from kvbench.runner import compressed_prompt, evaluate, evaluate_rows, repeat_timed
-from kvbench.session import SharedPrefill, shared_prefill, wanted_compressions
+from kvbench.sharing import SharedPrefill, shared_prefill, wanted_compressions
 from kvbench.tasks import Sample, Task
 
 

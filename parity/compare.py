@@ -51,7 +51,8 @@ def agreement(ours: torch.Tensor, theirs: torch.Tensor, kind: str) -> torch.Tens
 def kvbench_masks(lm, spec: dict, prompt: list[int], budget: int | Threshold, kind: str) -> list[torch.Tensor]:
     """Per layer, the `[kv_heads, prompt]` positions kvbench holds, or its `[kv_heads, head_dim]` key channels."""
     policy = build_spec(spec)
-    session = Session(lm, policy, RunSettings(budget=budget if policy.phases else None), prompt_tokens=len(prompt))
+    settings = RunSettings(budget=budget if policy.schedule.evicts else None)
+    session = Session(lm, policy, settings, prompt_tokens=len(prompt))
     session.prefill(prompt)
     return kept_channels(session.cache) if kind == "channels" else kept_masks(session.cache)
 

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Wrapper, recent_mask, register
+from kvbench.policies.base import Schedule, Wrapper, recent_mask, register
 
 
 @register
@@ -16,7 +16,7 @@ class AdaKV(Wrapper):
 
     name = "ada_kv"
     colour = "#DDCC77"
-    phases = ("prefill",)
+    schedule = Schedule.PREFILL
     needs_attention = True
     base: str | dict[str, Any] = "snapkv"  # whose scores (and layer budgets) are shared out: snapkv, pyramidkv
     alpha: float = 0.2  # floor: every head keeps int(alpha x (budget - window)) prefix entries besides its window
@@ -27,7 +27,7 @@ class AdaKV(Wrapper):
         if not 0.0 <= self.alpha <= 1.0:
             raise KvbenchError(f"policy 'ada_kv' parameter 'alpha' must be in [0, 1], got {self.alpha}")
         self._stages = (self.build_stage(self.base),)
-        if self._stages[0].phases != ("prefill",) or not self._stages[0].needs_attention:
+        if self._stages[0].schedule is not Schedule.PREFILL or not self._stages[0].needs_attention:
             raise KvbenchError(f"policy 'ada_kv': base '{self._stages[0].name}' must be a prefill-time attention "
                                "scorer (snapkv, pyramidkv)")
 

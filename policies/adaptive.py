@@ -7,7 +7,7 @@ import psutil
 import torch
 
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import BatchLimit, Wrapper, register
+from kvbench.policies.base import BatchLimit, Schedule, Wrapper, register
 
 
 @register
@@ -31,7 +31,7 @@ class Adaptive(Wrapper):
             raise KvbenchError(
                 f"policy 'adaptive' parameter 'limit_fraction' must be in (0, 1], got {self.limit_fraction}")
         self._stages = (self.build_stage(self.fallback),)
-        if not self._stages[0].evicts_during_decode:
+        if self._stages[0].schedule is not Schedule.DECODE:
             raise KvbenchError(f"policy 'adaptive': fallback '{self._stages[0].name}' does not evict while decoding")
 
     def active(self, cache) -> bool:

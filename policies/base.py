@@ -19,7 +19,9 @@ kvbench/attention.py and counts the bytes read).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
+from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 import torch
@@ -28,14 +30,27 @@ from kvbench.errors import KvbenchError
 from kvbench.registry import Registry, declared_params
 
 if TYPE_CHECKING:
-    from kvbench.cache import KVCache, LayerKV
+    from kvbench.cache import KVCache
+    from kvbench.layer import LayerKV
     from kvbench.models import LoadedModel
     from kvbench.reference import Reference
     from kvbench.session import Session
     from kvbench.storage import Layout
 
-PHASES = ("prefill", "decode")
 HookScope = Literal["active", "first", "all"]
+
+
+class Schedule(str, Enum):
+    """When a policy compresses, which is what its budget bounds (the record's `budget_scope`)."""
+
+    NONE = "none"  # keeps every entry (full, a storage policy alone): a budget means nothing to it
+    PREFILL = "prefill"  # compresses the prompt; the cache grows while decoding
+    DECODE = "decode"  # compresses the prompt and keeps evicting while decoding: the budget holds throughout
+    READ = "read"  # keeps every entry; each decode step reads a budget's worth of them (sparse)
+
+    @property
+    def evicts(self) -> bool:
+        return self in (Schedule.PREFILL, Schedule.DECODE)
 
 
 class BatchLimit(NamedTuple):
@@ -65,9 +80,9 @@ def hooks() -> dict[str, HookScope]:
 @dataclasses.dataclass
 class Policy:
     name: ClassVar[str]
-    # "prefill": compresses the prompt; "decode": also evicts as generated tokens arrive, so the
-    # budget holds for the whole generation. No phase: keeps everything.
-    phases: ClassVar[tuple[str, ...]] = ("prefill", "decode")
+    # when it compresses; an instance whose parameters decide (`decode: true`, a wrapper's base) sets its own in
+    # `__post_init__`. How often while decoding: the run's `evict_every`, or its `eviction_periods`
+    schedule: ClassVar[Schedule] = Schedule.DECODE
     needs_attention: ClassVar[bool] = False
     # how it saves memory: drops entries (eviction), keeps every token in fewer bytes or entries (compression);
     # or how it saves reads: keeps every entry, each decode step reads a budget's worth of them (sparse)
@@ -80,10 +95,29 @@ class Policy:
     # the kept entries stored compressed: a storage policy's name, or {name: {params}}
     storage: str | dict[str, Any] | None = dataclasses.field(default=None, kw_only=True)
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "phases" in vars(cls):  # a plugin written for the release that declared `phases`
+            warnings.warn(f"policy class {cls.__name__}: `phases` is deprecated and goes in the next release; declare "
+                          "`schedule` (kvbench.policies.base.Schedule) instead", DeprecationWarning, stacklevel=2)
+            phases = tuple(vars(cls)["phases"])
+            delattr(cls, "phases")
+            cls.schedule = Schedule.DECODE if "decode" in phases else Schedule.PREFILL if phases else Schedule.NONE
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        """Deprecated (next release: gone): `schedule` says when the policy compresses."""
+        return {Schedule.PREFILL: ("prefill",), Schedule.DECODE: ("prefill", "decode")}.get(self.schedule, ())
+
+    @property
+    def evicts_during_decode(self) -> bool:
+        """Deprecated (next release: gone): `schedule is Schedule.DECODE`."""
+        return self.schedule is Schedule.DECODE
+
     def __post_init__(self) -> None:
         if self.storage is not None and type(self).layout is not Policy.layout:
             raise KvbenchError(f"policy '{self.name}' is a storage itself; it takes no storage")
-        if self.storage is not None and not self.phases:
+        if self.storage is not None and not self.schedule.evicts:
             raise KvbenchError(f"policy '{self.name}' keeps every entry as is; to compress them all, run the "
                                f"storage policy itself")
         self._storage = None if self.storage is None else storage_policy(self.storage, self.name)
@@ -199,17 +233,6 @@ class Policy:
         if budget < 1:
             raise KvbenchError(f"{self.name}: budget must be at least 1 token, got {budget}")
 
-    @property
-    def evicts_during_decode(self) -> bool:
-        return "decode" in self.phases
-
-    @property
-    def budget_scope(self) -> str:
-        """What the budget bounds: the whole generation, only the prompt, each decode step's reads, or nothing."""
-        if self.family == "sparse":
-            return "read"
-        return "decode" if self.evicts_during_decode else ("prefill" if self.phases else "none")
-
     @classmethod
     def params(cls) -> dict[str, Any]:
         """Parameter name -> default."""
@@ -243,7 +266,7 @@ class Policy:
 def takes_budget(policy: Policy | type[Policy]) -> bool:
     """Whether a budget means anything to `policy` (an instance or a class): it evicts to one, or reads one's worth
     per decode step (sparse). `full` and a storage policy alone keep every token whatever the budget."""
-    return bool(policy.phases) or policy.family == "sparse"
+    return policy.schedule is not Schedule.NONE
 
 
 POLICIES: Registry[Policy] = Registry("policy")
@@ -302,9 +325,9 @@ class Wrapper(Policy):
 class Rescorer(Wrapper):
     """A wrapper that ranks entries by its base policy's scores, rescored (chunkkv, criticalkv). The base must
     score entries for eviction and leave the kept set to its scores (not ada_kv or kvzip, which pick their own);
-    its phases are the wrapper's."""
+    its schedule is the wrapper's."""
 
-    phases: ClassVar[tuple[str, ...]] = ("prefill",)
+    schedule: ClassVar[Schedule] = Schedule.PREFILL
     needs_attention: ClassVar[bool] = True
     base: str | dict[str, Any] = "snapkv"  # whose scores are rescored: a name, or {name: ..., params...}
     decides: ClassVar[frozenset[str]] = frozenset({"score"})
@@ -312,15 +335,11 @@ class Rescorer(Wrapper):
     def __post_init__(self) -> None:
         super().__post_init__()
         base = self.build_stage(self.base)
-        if not base.phases or type(base).score is Policy.score or type(base).select is not Policy.select:
+        if not base.schedule.evicts or type(base).score is Policy.score or type(base).select is not Policy.select:
             raise KvbenchError(f"policy '{self.name}': base '{base.name}' must score entries for eviction "
                                "(snapkv, knorm, h2o, expected_attention, ...)")
         self._stages = (base,)
-        self.phases = base.phases
-
-    @property
-    def evicts_during_decode(self) -> bool:
-        return self._stages[0].evicts_during_decode
+        self.schedule = base.schedule  # type: ignore[misc]
 
 
 @dataclasses.dataclass
@@ -328,12 +347,13 @@ class PromptScorer(Policy):
     """A prefill-time scorer that needs no attention to score (knorm, keydiff): it compresses the prompt, and with
     `decode: true` keeps evicting while decoding, so the budget holds for the whole generation."""
 
-    phases: ClassVar[tuple[str, ...]] = ("prefill",)
+    schedule: ClassVar[Schedule] = Schedule.PREFILL
     decode: bool = False
 
-    @property
-    def evicts_during_decode(self) -> bool:
-        return self.decode
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.decode:
+            self.schedule = Schedule.DECODE  # type: ignore[misc]
 
 
 @dataclasses.dataclass
@@ -401,7 +421,7 @@ for _name, _scope in hooks().items():
 def batch_limit(policy: Policy) -> BatchLimit | None:
     """The strictest of `policy`'s batch limits (its stages' included), or None: it batches any rows."""
     limits = policy.batch_limits()
-    if policy.layout() is not None and policy.phases:  # which entries each row keeps in which tier: its own
+    if policy.layout() is not None and policy.schedule.evicts:  # which entries each row keeps in which tier: its own
         limits.append(BatchLimit("alone", f"policy '{policy.name}' evicts from compressed storage, whose tiers are "
                                           "kept for one sequence"))
     elif policy.layout() is not None:  # every row holds every token alike: the batch's bytes are the rows' sum

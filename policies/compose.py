@@ -5,7 +5,7 @@ from typing import Any
 
 from kvbench.cache import Phase
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Policy, Wrapper, register
+from kvbench.policies.base import Policy, Schedule, Wrapper, register
 
 
 @register
@@ -22,12 +22,12 @@ class Compose(Wrapper):
     def __post_init__(self) -> None:
         super().__post_init__()
         first, then = self.build_stage(self.prefill), self.build_stage(self.decode)
-        if not first.phases:
+        if not first.schedule.evicts:
             raise KvbenchError(f"policy '{self.name}': prefill policy '{first.name}' does not compress")
         if type(first).select is not Policy.select:
             # its uneven per-head lengths are padded; decode-time scorers do not skip padding slots
             raise KvbenchError(f"policy '{self.name}': '{first.name}' cannot be followed by a decode-time policy")
-        if not then.evicts_during_decode:
+        if then.schedule is not Schedule.DECODE:
             raise KvbenchError(f"policy '{self.name}': decode policy '{then.name}' does not evict while decoding")
         # both stages observe every step (the decode stage's statistics, e.g. H2O's, include the prompt); the
         # layer budgets are the prefill stage's (PyramidKV's pyramid holds through decoding)

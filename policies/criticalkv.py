@@ -17,7 +17,7 @@ class CriticalKV(Rescorer):
     the budget goes to the best of (base score + `epsilon`) x ||W_o v||_1, the L1 norm of the entry's value through
     each query head's slice of the output projection, averaged over the KV head's query heads. `epsilon` is added
     on the base's own scale (SnapKV's mean attention weight), so it weighs as the paper and the official code
-    weigh it. Entries the base protects (a window) stay protected. Its phases are its base's.
+    weigh it. Entries the base protects (a window) stay protected. Its schedule is its base's.
 
     What it follows: the authors' code (FFY0/AdaKV-in-NVIDIA-kvpress, branch criticalkv,
     `CriticalKVPress.score`) and kvpress 0.5.5's CriticalKVPress, which agree but for details of tiny budgets:

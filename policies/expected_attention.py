@@ -8,7 +8,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from kvbench.attention import queries_per_chunk
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Policy, protect, register, shares
+from kvbench.policies.base import Policy, Schedule, protect, register, shares
 from kvbench.rows import rows_of
 
 
@@ -45,7 +45,7 @@ class ExpectedAttention(Policy):
 
     name = "expected_attention"
     threshold_scale = "share of the head's expected attention (times ||v|| with use_vnorm), sinks protected"
-    phases = ("prefill",)
+    schedule = Schedule.PREFILL
     needs_attention = True
     n_future_positions: int = 512
     n_sink: int = 4
@@ -61,10 +61,8 @@ class ExpectedAttention(Policy):
             raise KvbenchError("policy 'expected_attention' needs n_future_positions >= 1 and query_buffer >= 2")
         if self.n_sink < 0 or self.epsilon < 0:
             raise KvbenchError("policy 'expected_attention' parameters 'n_sink' and 'epsilon' must be >= 0")
-
-    @property
-    def evicts_during_decode(self) -> bool:
-        return self.decode
+        if self.decode:
+            self.schedule = Schedule.DECODE  # type: ignore[misc]
 
     def check_budget(self, budget: int) -> None:
         super().check_budget(budget)

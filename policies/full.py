@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbench.policies.base import Policy, register
+from kvbench.policies.base import Policy, Schedule, register
 
 
 @register
@@ -12,5 +12,5 @@ class Full(Policy):
 
     name = "full"
     colour = "#000000"
-    phases = ()
+    schedule = Schedule.NONE
     family = "none"

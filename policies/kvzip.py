@@ -6,7 +6,7 @@ import torch
 
 from kvbench.attention import attention_probs
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import BatchLimit, Policy, protect, register
+from kvbench.policies.base import BatchLimit, Policy, Schedule, protect, register
 
 # kvpress's KVzipPress.prepare: the repeat request, and for later chunks the previous chunk's last tokens
 FIRST_REQUEST = "\n\nRepeat the previous context exactly."
@@ -32,7 +32,7 @@ class KVzip(Policy):
     """
 
     name = "kvzip"
-    phases = ("prefill",)
+    schedule = Schedule.PREFILL
     needs_attention = True
     n_sink: int = 4
     chunk: int = 2048

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Policy, register
+from kvbench.policies.base import Policy, Schedule, register
 
 
 @register
@@ -26,7 +26,7 @@ class LagKV(Policy):
     """
 
     name = "lagkv"
-    phases = ("prefill",)
+    schedule = Schedule.PREFILL
     sink_size: int = 4
     lag_size: int = 128
     cross_scoring: bool = False  # compare the partitions' scores across partitions, not rank within each

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 from kvbench.codecs import Codec, LowRank
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Policy, register
+from kvbench.policies.base import Policy, Schedule, register
 from kvbench.storage import Layout, Tier
 
 
@@ -20,7 +20,7 @@ class LowRankStorage(Policy):
 
     name = "lowrank"
     colour = "#F0E442"
-    phases = ()
+    schedule = Schedule.NONE
     family = "compression"
     rank: int = 32
     values: bool = False

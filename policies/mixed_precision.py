@@ -5,7 +5,7 @@ from typing import Literal
 
 from kvbench.codecs import Codec, TokenQuant
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Policy, register
+from kvbench.policies.base import Policy, Schedule, register
 from kvbench.storage import Layout, Tier
 
 
@@ -21,7 +21,7 @@ class MixedPrecision(Policy):
 
     name = "mixed_precision"
     colour = "#CC79A7"
-    phases = ()
+    schedule = Schedule.NONE
     family = "compression"
     recent: int = 128
     bits: Literal[2, 4, 8] = 8

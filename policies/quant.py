@@ -5,7 +5,7 @@ from typing import Literal
 
 from kvbench.codecs import ChannelQuant, Codec, TokenQuant
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Policy, register
+from kvbench.policies.base import Policy, Schedule, register
 from kvbench.storage import Layout, Tier
 
 
@@ -21,7 +21,7 @@ class Quant(Policy):
 
     name = "quant"
     colour = "#D55E00"
-    phases = ()
+    schedule = Schedule.NONE
     family = "compression"
     bits: Literal[2, 4, 8, 16] = 4
     group_size: int = 32

@@ -6,7 +6,7 @@ import torch
 
 from kvbench.errors import KvbenchError
 from kvbench.pages import Pages
-from kvbench.policies.base import Policy, positive, register
+from kvbench.policies.base import Policy, Schedule, positive, register
 
 
 @register
@@ -25,7 +25,7 @@ class Quest(Policy):
 
     name = "quest"
     colour = "#CC3311"  # Paul Tol's vibrant red: the sparse family, beyond the two palettes
-    phases = ()  # it evicts nothing
+    schedule = Schedule.READ  # it evicts nothing
     family = "sparse"
     page_size: int = 16
     dense_layers: int = 2

@@ -10,7 +10,7 @@ import torch
 from kvbench.attention import attention_probs
 from kvbench.errors import KvbenchError
 from kvbench.models import per_model
-from kvbench.policies.base import Policy, RetrievalHeads, register
+from kvbench.policies.base import Policy, RetrievalHeads, Schedule, register
 
 CALIBRATION_SEED = 0
 
@@ -110,7 +110,7 @@ class _RepetitionRecorder(Policy):
     repeats with `period`: query i (i >= period) to key i - period (echo) and i - period + 1 (induction)."""
 
     name: ClassVar[str] = "razorattention-calibration"
-    phases: ClassVar[tuple[str, ...]] = ()
+    schedule: ClassVar[Schedule] = Schedule.NONE
     needs_attention: ClassVar[bool] = True
     period: int = 1
 

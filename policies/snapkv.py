@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from kvbench.attention import attention_probs
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Policy, positive, register
+from kvbench.policies.base import Policy, Schedule, positive, register
 from kvbench.reference import Reference, snapkv_kept
 
 
@@ -26,7 +26,7 @@ class SnapKV(Policy):
     name = "snapkv"
     colour = "#0072B2"
     threshold_scale = "mean attention weight of the window's queries, pooled (kvpress DMSPress over SnapKVPress)"
-    phases = ("prefill",)
+    schedule = Schedule.PREFILL
     needs_attention = True
     window: int = 32
     kernel: int = 7

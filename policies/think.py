@@ -6,7 +6,7 @@ import torch
 
 from kvbench.codecs import Codec, KeyChannels
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Policy, positive, register
+from kvbench.policies.base import Policy, Schedule, positive, register
 from kvbench.storage import Layout, Tier
 
 
@@ -27,7 +27,7 @@ class ThinK(Policy):
     """
 
     name = "think"
-    phases = ()
+    schedule = Schedule.NONE
     family = "compression"
     needs_attention = True  # the window's queries
     ratio: float = 0.5

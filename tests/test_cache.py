@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvbench.attention as attention
-from kvbench.cache import KVCache
+from kvbench.cache import CacheSettings, KVCache
 from kvbench.policies import build_policy
 from kvbench.session import RunSettings, generate
 from kvbench.tolerance import sum_roundings
@@ -20,7 +20,7 @@ CACHES = []  # a layer refers to its cache weakly: the caches of the layers unde
 
 
 def filled_layer(length: int):
-    cache = KVCache(1, (1, HEADS, DIM), build_policy("window"), budget=4, headroom=0)
+    cache = KVCache(1, (1, HEADS, DIM), build_policy("window"), CacheSettings(budget=4, headroom=0))
     CACHES.append(cache)
     layer = cache.layers[0]
     # key/value content encodes (head, position) so survivors can be identified after slots move

@@ -22,7 +22,7 @@ def test_version_and_help():
 def test_policies_lists_every_policy_with_phase_and_params():
     result = runner.invoke(app, ["policies"])
     assert result.exit_code == 0
-    for name in ("full", "window", "streaming_llm", "h2o", "snapkv", "random", "recent_ratio", "prefill+decode",
+    for name in ("full", "window", "streaming_llm", "h2o", "snapkv", "random", "recent_ratio", "decode",
                  "merge", "compression", "eviction"):
         assert name in result.output
 
@@ -30,7 +30,7 @@ def test_policies_lists_every_policy_with_phase_and_params():
 def test_listings_as_json_and_as_plain_rows_when_piped():
     policies = json.loads(runner.invoke(app, ["policies", "--json"]).output)
     snapkv = next(entry for entry in policies if entry["name"] == "snapkv")
-    assert snapkv["parameters"] == {"window": 32, "kernel": 7, "pooling": "max"} and snapkv["phases"] == ["prefill"]
+    assert snapkv["parameters"] == {"window": 32, "kernel": 7, "pooling": "max"} and snapkv["schedule"] == "prefill"
     tasks = json.loads(runner.invoke(app, ["tasks", "--json"]).output)
     assert "niah" in {entry["name"] for entry in tasks}
     plain = runner.invoke(app, ["policies"]).output.splitlines()  # the test runner's output is no terminal

@@ -213,28 +213,38 @@ def built_in_policies() -> list[str]:
     return [name for name in POLICIES.names() if POLICIES.get(name).__module__.startswith("kvbench.policies.")]
 
 
-def policy_table(page: Path) -> list[str]:
-    """The first cells of the page's policy table: the one whose header reads `| policy | phases | ...`."""
+def policy_table(page: Path) -> list[tuple[str, str]]:
+    """The first two cells of each row of the page's policy table: the one whose header reads `| policy | schedule |
+    ...`."""
     rows = table_rows(page)
     for index, (number, cells) in enumerate(rows):
-        if cells[:2] == ["policy", "phases"]:
+        if cells[:2] == ["policy", "schedule"]:
             names, expected = [], number + 2  # the body starts past the header's |---| line
             for row_number, row_cells in rows[index + 2:]:
                 if row_number != expected:  # a gap: the table has ended
                     break
-                names.append(row_cells[0].strip("`"))
+                names.append((row_cells[0].strip("`"), row_cells[1]))
                 expected += 1
             return names
     return []
 
 
 def test_the_policies_page_has_a_table_row_for_every_registered_policy():
-    listed = policy_table(ROOT / "docs" / "policies.md")
-    assert listed, "policies.md has no `| policy | phases | ...` table"
+    table = policy_table(ROOT / "docs" / "policies.md")
+    assert table, "policies.md has no `| policy | schedule | ...` table"
+    listed = [name for name, _ in table]
     names = built_in_policies()
     missing = [name for name in names if name not in listed]
     unknown = [name for name in listed if name not in names]
     assert not missing and not unknown, f"policies.md's table: no row for {missing}; rows for no policy {unknown}"
+
+
+def test_the_policies_table_gives_each_policys_schedule():
+    from kvbench.policies import POLICIES
+
+    wrong = [(name, cell) for name, cell in policy_table(ROOT / "docs" / "policies.md")
+             if name in built_in_policies() and not cell.startswith(("its base's", POLICIES.get(name).schedule.value))]
+    assert not wrong, f"policies.md's schedule column disagrees with the policies' `schedule`: {wrong}"
 
 
 def test_every_count_of_built_in_policies_the_docs_state_is_the_registry_count():

@@ -268,9 +268,9 @@ def test_criticalkv_keeps_the_first_stage_then_the_output_weighted_best(sharp_ll
     assert not all(torch.equal(a, b) for a, b in zip(history[0], plain[0], strict=True))
 
 
-def test_criticalkv_takes_its_bases_phases_and_refuses_a_base_without_scores():
-    assert build_policy("criticalkv", {"base": "h2o"}).evicts_during_decode
-    assert not build_policy("criticalkv").evicts_during_decode
+def test_criticalkv_takes_its_bases_schedule_and_refuses_a_base_without_scores():
+    assert build_policy("criticalkv", {"base": "h2o"}).schedule == "decode"
+    assert build_policy("criticalkv").schedule == "prefill"
     for base in ("full", "kvzip", "ada_kv"):  # nothing to score, or a base that picks its kept set itself
         with pytest.raises(KvbenchError, match=f"base '{base}' must score entries"):
             build_policy("criticalkv", {"base": base})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.cache import KVCache
+from kvbench.cache import CacheSettings, KVCache
 from kvbench.policies import build_policy
 from kvbench.session import RunSettings, generate
 from tests.conftest import random_ids
@@ -20,7 +20,7 @@ def by_position(layer, values: torch.Tensor) -> dict[int, list[float]]:
 
 def test_pooling_by_hand():
     policy = build_policy("merge", {"recent": 2, "sinks": 0})
-    cache = KVCache(1, (1, HEADS, DIM), policy, budget=4, headroom=1)
+    cache = KVCache(1, (1, HEADS, DIM), policy, CacheSettings(budget=4, headroom=1))
     layer = cache.layers[0]
     keys = torch.arange(7.0)[None, None, :, None].expand(1, HEADS, 7, DIM).contiguous()  # key of token t = t
     layer.update(keys[:, :, :6], -keys[:, :, :6])
@@ -62,7 +62,7 @@ def test_merge_needs_room_beyond_its_recent_window():
 
 def test_sinks_stay_unmerged():
     policy = build_policy("merge", {"recent": 2, "sinks": 1})
-    cache = KVCache(1, (1, HEADS, DIM), policy, budget=4, headroom=1)
+    cache = KVCache(1, (1, HEADS, DIM), policy, CacheSettings(budget=4, headroom=1))
     layer = cache.layers[0]
     keys = torch.arange(6.0)[None, None, :, None].expand(1, HEADS, 6, DIM).contiguous()
     layer.update(keys, -keys)

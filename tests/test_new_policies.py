@@ -240,9 +240,9 @@ def test_chunkkv_whole_chunks_is_kvpress_chunkkv(sharp_llama, chunk):
         build_policy("chunkkv", {"base": "h2o", "whole_chunks": True})
 
 
-def test_chunkkv_takes_its_bases_phases(sharp_llama):
+def test_chunkkv_takes_its_bases_schedule(sharp_llama):
     policy = build_policy("chunkkv", {"base": {"name": "knorm", "decode": True}, "chunk": 4})
-    assert policy.evicts_during_decode and not build_policy("chunkkv").evicts_during_decode
+    assert policy.schedule == "decode" and build_policy("chunkkv").schedule == "prefill"
     assert build_policy("chunkkv").describe() == {"name": "chunkkv", "base": "snapkv", "chunk": 10,
                                                   "whole_chunks": False}
     _, history = run_cache(sharp_llama, policy, PROMPT, DECODE, BUDGET)

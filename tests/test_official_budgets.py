@@ -13,12 +13,10 @@ Ada-KV: FFY0/AdaKV `AdaptiveSnapKVCluster` (adaptive_snapkv/monkeypatch/snapkv_u
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
-from kvbench.cache import KVCache
+from kvbench.cache import CacheSettings, KVCache
 from kvbench.policies import build_policy
 from tests.conftest import random_ids
 from tests.helpers import kept_masks, run_session
@@ -78,10 +76,6 @@ def test_ada_kv_over_pyramidkv_takes_its_layer_budgets():
     assert policy.layer_budgets(614, 32, 1166) == CAPPED_1166
 
 
-ENGINE_PASSES_PROMPT = "prompt_tokens" in inspect.signature(KVCache.__init__).parameters
-
-
-@pytest.mark.skipif(not ENGINE_PASSES_PROMPT, reason="KVCache does not pass the prompt length to layer_budgets yet")
 @pytest.mark.parametrize("prompt,expected", [
     # C = 40, w = 8, beta = 20, L = 2: C - w = 32; min_num = 32 // 20 = 1; max_num = 64 - 1 = 63.
     # n = 70: 63 >= 62, capped: max_num = 62, min_num = 2; steps = 60 // 1; layers keep 62 + 8, 2 + 8
@@ -102,7 +96,7 @@ def ada_kept(prefix_scores: list[list[float]], budget: int, window: int, alpha: 
     one-layer cache whose prompt is `prefix_scores` per head followed by `window` tokens."""
     heads, prefix = len(prefix_scores), len(prefix_scores[0])
     policy = build_policy("ada_kv", {"base": {"name": "snapkv", "window": window, "kernel": 1}, "alpha": alpha})
-    cache = KVCache(1, (1, heads, 4), policy, budget)
+    cache = KVCache(1, (1, heads, 4), policy, CacheSettings(budget=budget))
     layer = cache.layers[0]
     n = prefix + window
     layer.update(torch.zeros(1, heads, n, 4), torch.zeros(1, heads, n, 4))

@@ -19,7 +19,8 @@ from tests.helpers import NEEDED_PARAMS
 PROMPT = random_ids(160, seed=21)
 BUDGET = 64
 # every registered policy that compresses a prompt (its defaults), and one with compressed storage
-POLICY_SPECS = [(name, NEEDED_PARAMS.get(name, {})) for name in POLICIES.names() if POLICIES.get(name).phases] + [
+POLICY_SPECS = [(name, NEEDED_PARAMS.get(name, {})) for name in POLICIES.names()
+                if POLICIES.get(name).schedule.evicts] + [
     ("h2o", {"storage": {"quant": {"bits": 4, "residual": 16}}}), ("snapkv", {"storage": {"think": {"recent": 8}}})]
 
 

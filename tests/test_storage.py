@@ -153,7 +153,7 @@ def test_mixed_precision_tiers_by_age(tiny_llama):
 
 def test_evicted_slots_carry_their_compressed_entries():
     policy = build_policy("window", {"storage": {"quant": {"bits": 4, "group_size": 4, "residual": 4}}})
-    cache = KVCache(1, (1, 2, 8), policy, budget=None)
+    cache = KVCache(1, (1, 2, 8), policy)
     layer = cache.layers[0]
     keys, values = torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
     layer.update(keys, values)
@@ -222,7 +222,8 @@ def test_run_takes_a_storage_per_policy():
 
 # merge averages entries and lagkv reads the values, both in the model dtype, and kvzip forgets its reconstruction
 # from plain slots: they take no storage
-EVICTION = sorted(n for n in POLICIES.names() if POLICIES.get(n).phases and POLICIES.get(n).layout is Policy.layout
+EVICTION = sorted(n for n in POLICIES.names()
+                  if POLICIES.get(n).schedule.evicts and POLICIES.get(n).layout is Policy.layout
                   and n not in ("merge", "lagkv", "kvzip"))
 
 

@@ -8,7 +8,7 @@ import contextlib
 import pytest
 import torch
 
-from kvbench.cache import KVCache, Phase
+from kvbench.cache import CacheSettings, KVCache, Phase
 from kvbench.policies import build_policy
 
 STORAGES = [("quant", {"bits": bits, "group_size": 8, "residual": 16}) for bits in (2, 4, 8)] + [
@@ -43,7 +43,7 @@ def nothing_read_back(monkeypatch):
 
 
 def _cache(name: str, params: dict) -> KVCache:
-    return KVCache(1, (1, 2, 32), build_policy(name, params), None, growth=8, phase=Phase.DECODE)
+    return KVCache(1, (1, 2, 32), build_policy(name, params), CacheSettings(growth=8), phase=Phase.DECODE)
 
 
 def _token(generator: torch.Generator, count: int = 1) -> torch.Tensor:

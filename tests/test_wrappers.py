@@ -3,6 +3,7 @@ by construction."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from types import SimpleNamespace
 
@@ -11,13 +12,13 @@ import torch
 
 from kvbench.cache import Phase
 from kvbench.policies import POLICIES, Policy, build_policy
-from kvbench.policies.base import Wrapper, hooks
+from kvbench.policies.base import Schedule, Wrapper, hooks
 from tests.conftest import random_ids
 from tests.helpers import run_session
 
 # Policy's public members that are not hooks: what a policy *is* (name, parameters, storage, statistic names),
 # not what the cache asks of it while running. A new member must be added here or be a @hook.
-NOT_HOOKS = {"budget_scope", "describe", "evicts_during_decode", "kind", "layout", "params", "state_key",
+NOT_HOOKS = {"describe", "evicts_during_decode", "phases", "kind", "layout", "params", "state_key",
              "check_threshold", "reference"}
 ANSWERS = {"report": {}, "observers": [], "state_keys": [], "layer_budgets": [1], "active": True, "batch_limits": [],
            "bounded": True, "eviction_periods": []}
@@ -143,3 +144,12 @@ def test_adaptive_reports_its_switch_and_its_stage(tiny_llama):
     report = session.policy.report()
     assert report["switched_at_token"] == 40 and report["limit_bytes"] == 1
     assert torch.equal(session.cache.layers[0].live_positions().sort(-1).values[0, 0], torch.arange(12, 44))
+
+
+@pytest.mark.parametrize("phases,schedule", [((), Schedule.NONE), (("prefill",), Schedule.PREFILL),
+                                             (("prefill", "decode"), Schedule.DECODE)])
+def test_a_plugin_declaring_phases_gets_that_schedule_and_a_deprecation_warning(phases, schedule):
+    with pytest.warns(DeprecationWarning, match="`phases` is deprecated"):
+        plugin = dataclasses.dataclass(type("Plugin", (Policy,), {"name": "plugin_with_phases", "phases": phases}))
+    assert plugin.schedule is schedule and plugin().phases == phases
+    assert plugin().evicts_during_decode == (schedule is Schedule.DECODE)

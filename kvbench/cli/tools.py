@@ -161,7 +161,7 @@ def print_listing(title: str, columns: tuple[str, ...], entries: list[dict[str, 
 @user_errors
 def policies(plugins: str | None = PLUGINS, as_json: bool = json_flag(LISTING_JSON),
              json_path: Path | None = json_out(LISTING_JSON)) -> None:
-    """List the policies, their family, phases and parameters.
+    """List the policies, their family, schedule and parameters.
 
     Every eviction policy also takes `storage:` (a compression policy, e.g. `{quant: {bits: 4}}`) to keep what it
     keeps compressed: its records then say family `hybrid`."""
@@ -173,11 +173,11 @@ def policies(plugins: str | None = PLUGINS, as_json: bool = json_flag(LISTING_JS
     entries = []
     for name in POLICIES.names():
         cls = POLICIES.get(name)
-        entries.append({"name": name, "family": cls.family, "phases": list(cls.phases),
+        entries.append({"name": name, "family": cls.family, "schedule": cls.schedule.value,
                         "needs_attention": cls.needs_attention,
                         "parameters": {k: v for k, v in cls.params().items() if k != "storage"},
                         "description": first_line(cls)})
-    print_listing("policies", ("name", "family", "phases", "needs_attention", "parameters", "description"), entries,
+    print_listing("policies", ("name", "family", "schedule", "needs_attention", "parameters", "description"), entries,
                   as_json, json_path)
 
 
