@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from kvbench.budgets import Threshold
     from kvbench.models import ModelInternals
     from kvbench.policies.base import Policy
+    from kvbench.storage import Layout
 
 # plugin code imports these from here
 __all__ = ["PADDING", "CacheSettings", "CacheStats", "KVCache", "LayerKV", "Phase"]
@@ -117,8 +118,8 @@ class KVCache(Cache):
         self.peak_bytes = 0
         self.reads = ReadCounts(batch_heads_dim[0])
         self.folds = _folds(policy)
-        self._check()
         layout = policy.layout()  # compressed storage, or None: plain slots in the model dtype
+        self._check(layout)
         if layout is not None:
             layout.fit(batch_heads_dim[2])
         # a layout fitted to the compressed prompt (ThinK's key channels) waits for it in plain layers
@@ -136,7 +137,7 @@ class KVCache(Cache):
         self.observing = bool(self.observers)
         self.observe_seconds: dict[str, float] = {}
 
-    def _check(self) -> None:
+    def _check(self, layout: Layout | None) -> None:
         """What this cache cannot run, in one line each."""
         name, sliding = self.policy.name, any(kind.window is not None for kind in self.kinds)
         if self.threshold is not None and self.batch_heads_dim[0] > 1:
@@ -144,7 +145,7 @@ class KVCache(Cache):
                                "so it runs one sequence at a time")
         if self.read_budget is not None and sliding:
             raise KvbenchError(f"policy '{name}': sparse reading does not run on sliding-window layers")
-        if self.policy.layout() is None:
+        if layout is None:
             return
         if sliding:
             raise KvbenchError(f"policy '{name}': compressed storage does not run on sliding-window layers")
