@@ -19,7 +19,7 @@ def summarize(
     """Rewrite a run folder's summary from its records.
 
     The summary: summary.csv and summary.md (and summary.tex with --latex)."""
-    from kvbench.report import latex as latex_tables
+    from kvbench.latex import latex as latex_tables
     from kvbench.summary import summarize as write_summary
 
     folder = run_folder(run)
@@ -98,7 +98,7 @@ def recommend(
     """The smallest cache within the allowed drop of full.
 
     One answer per task and context length (and per model and dtype when the run has several)."""
-    from kvbench.report import recommend as pick
+    from kvbench.recommend import recommend as pick
     from kvbench.summary import model_facets
     from kvbench.summary import summarize as read_summary
     from kvbench.tables import recommend_table
