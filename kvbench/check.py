@@ -16,7 +16,6 @@ number. `--no-timing` reports `timing` skipped: a speed verdict is only fair on 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import statistics
 from collections.abc import Callable, Iterator
@@ -25,22 +24,31 @@ from typing import Any, Literal, cast
 
 import torch
 
-from kvbench.cache import KVCache
+from kvbench.check_generations import compare_generations, kvbench_generate, logit_limit, stock_generate
 from kvbench.errors import KvbenchError
+from kvbench.kept import TIE_TOLERANCE, agreement, kept_channels, kept_history, kept_masks
 from kvbench.measure import Stopwatch, memory_pressure, open_nvml, tracing
 from kvbench.models import LoadedModel
 from kvbench.policies import POLICIES, build_policy
 from kvbench.policies.base import Schedule
 from kvbench.session import Session
 from kvbench.settings import RunSettings
-from kvbench.storage import StoredLayerKV
-from kvbench.tolerance import model_tolerance
+
+# parity, tests and plugins import the kept sets' and the generations' names from here too
+__all__ = [
+    "BUDGET_RATIO", "Check", "CheckSettings", "DTYPE_AGREEMENT_MEAN", "NVML_RATE_HZ", "RELEASE_SLACK", "Status",
+    "TIE_TOLERANCE", "TIMING_LIMIT", "agreement", "check_cap_below_weights", "check_cpu_limit", "check_dtype",
+    "check_generate", "check_layers", "check_memory", "check_oom_released", "check_policy", "check_sampler",
+    "check_timing", "check_window", "checkable", "compare_generations", "default_context", "device_facts",
+    "judge_allocator", "judge_counted", "judge_nvml", "kept_channels", "kept_history", "kept_masks",
+    "kvbench_generate", "logit_limit", "prompt_tokens", "reference_kernel", "report_dict", "run_checks",
+    "stock_generate",
+]
 
 Status = Literal["pass", "fail", "skip"]
 # kept sets against the reference (Jaccard index over layers x KV heads): ties broken otherwise and summation order
 # may move an entry at the margin, a wrong rule moves many
 AGREEMENT_MEAN, AGREEMENT_WORST = 0.99, 0.90
-TIE_TOLERANCE = 1e-4  # relative: reference scores this close to the margin rank either way
 DTYPE_AGREEMENT_MEAN = 0.90  # the model's dtype against float32: its rounding moves entries at the margin
 TIMING_LIMIT = 1.5  # kvbench's decode step over model.generate's, medians of interleaved runs
 BUDGET_RATIO = 0.25
@@ -132,71 +140,6 @@ def prompt_tokens(lm: LoadedModel, count: int) -> list[int]:
 
 # --- full against model.generate ---------------------------------------------------------------
 
-def stock_generate(lm: LoadedModel, prompt: list[int], new_tokens: int, attention: str, until_eos: bool = True,
-                   ) -> tuple[list[int], list[torch.Tensor]]:
-    """`model.generate`'s greedy tokens (up to kvbench's end-of-sequence tokens, or exactly `new_tokens` without
-    `until_eos`) and each step's raw logits, with transformers' own cache and `attention`."""
-    try:
-        lm.model.set_attn_implementation(attention)
-        ids = torch.tensor([prompt], device=lm.device)
-        length = {} if until_eos else {"min_new_tokens": new_tokens}
-        out = cast(Any, lm.model).generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, **length,
-            eos_token_id=sorted(lm.eos_token_ids) or None, do_sample=False, top_p=None, top_k=None, temperature=None,
-            pad_token_id=lm.pad_token_id, output_logits=True, return_dict_in_generate=True)
-    except (ValueError, ImportError) as exc:  # an attention implementation this model or machine lacks
-        raise KvbenchError(f"--attention {attention}: {str(exc).splitlines()[0]}") from None
-    finally:
-        lm.model.set_attn_implementation("kvbench")
-    return out.sequences[0, len(prompt) :].tolist(), [step[0].float() for step in out.logits]
-
-
-def kvbench_generate(lm: LoadedModel, policy: str, prompt: list[int], new_tokens: int, budget: int | None = None,
-                     until_eos: bool = True, measured: bool = True) -> tuple[list[int], list[torch.Tensor], Session]:
-    """kvbench's greedy tokens and each step's logits under `policy` (as `stock_generate`); `measured`: inside the
-    session's memory measurement (its NVML sampler runs on a GPU)."""
-    session = Session(lm, build_policy(policy), RunSettings(budget=budget), prompt_tokens=len(prompt),
-                      growth=new_tokens)
-    logits: list[torch.Tensor] = []
-    with session if measured else contextlib.nullcontext():
-        session.prefill(prompt)
-        tokens = session.decode(new_tokens, lm.eos_token_ids if until_eos else set(),
-                                follow=lambda _, step: logits.append(step[0].float().clone()))[0]
-    return tokens, logits, session
-
-
-def compare_generations(expected: tuple[list[int], list[torch.Tensor]], got: tuple[list[int], list[torch.Tensor]],
-                        limit: float) -> tuple[bool, str, dict[str, Any]]:
-    """Same tokens, and the logits of the steps both took within `limit` x max |logit|: (passed, text, numbers).
-
-    A token may differ where the reference's own logits tie it with the expected one within that tolerance: either
-    order of the sums may pick either, and the generations go separate ways from there, so the comparison stops."""
-    (want, want_logits), (have, have_logits) = expected, got
-    same = next((i for i, (a, b) in enumerate(zip(want, have, strict=False)) if a != b), min(len(want), len(have)))
-    steps = min(same + 1, len(want_logits), len(have_logits))
-    difference = max(float((a - b).abs().max()) for a, b in zip(want_logits[:steps], have_logits[:steps],
-                                                                  strict=True))
-    scale = max(float(a.abs().max()) for a in want_logits[:steps])
-    relative = difference / scale
-    tie = same < min(len(want), len(have)) and same < len(want_logits) and \
-        float(want_logits[same][want[same]] - want_logits[same][have[same]]) <= limit * scale
-    passed = (same == len(want) == len(have) or tie) and relative <= limit
-    text = (f"{same} of {len(want)} tokens equal; max |d logit| {difference:.3g} = {relative:.2g} x max |logit| "
-            f"(limit {limit:.2g}: the model's rounding in its dtype)")
-    if same < len(want):
-        text += f"; first difference at token {same}: {want[same]} expected, {have[same] if same < len(have) else '-'}"
-        if tie:
-            text += ", tied with it in the reference's logits within the limit: compared up to there"
-    return passed, text, {"tokens_equal": same, "tokens": len(want), "max_logit_diff": difference,
-                          "relative_logit_diff": relative, "limit": limit, "tied": tie}
-
-
-def logit_limit(lm: LoadedModel) -> float:
-    """How far kvbench's logits may land from the reference's: the model's rounding in its dtype
-    (`kvbench.tolerance.model_tolerance`)."""
-    return model_tolerance(lm.model.config, lm.dtype)
-
-
 def check_generate(lm: LoadedModel, prompt: list[int], settings: CheckSettings, label: str) -> Check:
     expected = stock_generate(lm, prompt, settings.new_tokens, settings.attention)
     tokens, logits, _ = kvbench_generate(lm, "full", prompt, settings.new_tokens)
@@ -244,68 +187,6 @@ def check_layers(lm: LoadedModel, prompt: list[int]) -> Check:
 
 
 # --- policies against their references -----------------------------------------------------------
-
-def kept_history(lm: LoadedModel, policy_name: str, prompt: list[int], decode: list[int], budget: int,
-                 ) -> tuple[list[list[torch.Tensor]], Any]:
-    """kvbench's kept masks `[kv_heads, seen]` per layer, after the prompt and after each decode token, and the
-    policy."""
-    policy = build_policy(policy_name)
-    session = Session(lm, policy, RunSettings(budget=budget), prompt_tokens=len(prompt), growth=len(decode))
-    with torch.inference_mode():
-        session.prefill(prompt)
-        history = [kept_masks(session.cache)]
-        for token in decode:
-            session.step(token)
-            history.append(kept_masks(session.cache))
-    return history, session.policy
-
-
-
-def kept_masks(cache: KVCache) -> list[torch.Tensor]:
-    """Per layer, a `[kv_heads, seen]` mask of the positions the cache physically holds (the first row's)."""
-    masks = []
-    for layer in cache.layers:
-        positions = layer.live_positions()[0].cpu()
-        mask = torch.zeros(positions.shape[0], layer.seen, dtype=torch.bool)
-        padding = layer.padding()
-        held = torch.ones_like(positions, dtype=torch.bool) if padding is None else ~padding[0].cpu()
-        mask.scatter_(1, positions, held)
-        masks.append(mask)
-    return masks
-
-
-def kept_channels(cache: KVCache) -> list[torch.Tensor]:
-    """Per layer, a `[kv_heads, head_dim]` mask of the key channels the cache stores for its older entries (the first
-    row's): all of them, but those ThinK prunes."""
-    _, heads, head_dim = cache.batch_heads_dim
-    masks = []
-    for layer in cache.layers:
-        channels = layer.final.keys.kept_channels() if isinstance(layer, StoredLayerKV) else None
-        mask = torch.ones(heads, head_dim, dtype=torch.bool)
-        masks.append(mask if channels is None else mask.zero_().scatter_(1, channels[0].cpu(), True))
-    return masks
-
-
-def agreement(ours: list[list[torch.Tensor]], theirs: list[list[torch.Tensor]],
-              scores: list[torch.Tensor] | None = None) -> tuple[float, float]:
-    """Mean and worst Jaccard index of the kept sets over steps x layers x KV heads. With reference `scores`, the
-    entries that score as the reference's lowest kept one, within `TIE_TOLERANCE` (a tie, which float32 sums in
-    another order break either way), are interchangeable: what counts of them is how many each side keeps."""
-    values = []
-    for step_ours, step_theirs in zip(ours, theirs, strict=False):
-        for layer, (mine, expected) in enumerate(zip(step_ours, step_theirs, strict=True)):
-            mine = mine[:, : expected.shape[1]]
-            tie = torch.zeros_like(expected)
-            if scores is not None:
-                score = scores[layer]
-                lowest = score.masked_fill(~expected, float("inf")).min(dim=-1, keepdim=True).values
-                tie = ((score - lowest).abs() <= TIE_TOLERANCE * lowest.abs()) & (score > float("-inf"))
-            ours_tied, theirs_tied = (mine & tie).sum(-1), (expected & tie).sum(-1)
-            shared = (mine & expected & ~tie).sum(-1) + torch.minimum(ours_tied, theirs_tied)
-            union = ((mine | expected) & ~tie).sum(-1) + torch.maximum(ours_tied, theirs_tied)
-            values.extend((shared / union.clamp(min=1)).tolist())
-    return statistics.fmean(values), min(values)
-
 
 def check_policy(lm: LoadedModel, name: str, prompt: list[int], decode: list[int], label: str) -> Check:
     budget, policy = max(1, round(BUDGET_RATIO * len(prompt))), build_policy(name)
