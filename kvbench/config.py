@@ -5,7 +5,6 @@ Every error names the file, the line and the key, as one line (KvbenchError).
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
@@ -19,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvbench.budgets import THRESHOLD, Threshold, budget_description, threshold_from
+from kvbench.config_files import assign, dotted, model_spec, named_spec, read_with_includes, where_given
 from kvbench.errors import KvbenchError, did_you_mean
 from kvbench.settings import check_budget
 
@@ -107,14 +107,6 @@ class TaskSpec(NamedSpec):
     samples: int | None = Field(None, gt=0)  # this task's samples, instead of the sweep's
 
 
-def _named(value: Any) -> Any:
-    return {"name": value} if isinstance(value, str) else value
-
-
-def _model_spec(value: Any) -> Any:
-    return {"id": value} if isinstance(value, str) else value
-
-
 def _checked_dtype(dtype: str) -> str:
     """`dtype` by its full name (`bf16` is `bfloat16`, in cells and the config hash too), checked."""
     from kvbench.estimate import DTYPE_ALIASES, canonical_dtype
@@ -165,12 +157,12 @@ class SweepConfig(Strict):
     @field_validator("model", mode="before")
     @classmethod
     def _model_id(cls, value: Any) -> Any:
-        return _model_spec(value)
+        return model_spec(value)
 
     @field_validator("models", mode="before")
     @classmethod
     def _model_ids(cls, value: Any) -> Any:
-        return [_model_spec(item) for item in value] if isinstance(value, list) else value
+        return [model_spec(item) for item in value] if isinstance(value, list) else value
 
     @field_validator("dtypes")
     @classmethod
@@ -201,7 +193,7 @@ class SweepConfig(Strict):
     @field_validator("policies", "tasks", mode="before")
     @classmethod
     def _names(cls, value: Any) -> Any:
-        return [_named(item) for item in value] if isinstance(value, list) else value
+        return [named_spec(item) for item in value] if isinstance(value, list) else value
 
     @field_validator("question", mode="before")
     @classmethod
@@ -389,7 +381,7 @@ class _Located(Exception):  # not a ValueError: pydantic must let it through wit
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> SweepConfig:
     """Read, merge includes, apply `key.sub=value` overrides, validate."""
     path = Path(path)
-    raw, sources = _read_with_includes(path, seen=())
+    raw, sources = read_with_includes(path, seen=())
     overridden: list[tuple[tuple, str]] = []  # each --set's location in the config, and the option as given
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -399,7 +391,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> SweepConfig:
             parsed = yaml.safe_load(value)
         except yaml.YAMLError:
             raise KvbenchError(f"--set '{item}': the value is not valid YAML") from None
-        _assign(raw, key.split("."), parsed)
+        assign(raw, key.split("."), parsed)
         overridden.append((tuple(int(part) if part.isdigit() else part for part in key.split(".")), item))
     try:
         config = SweepConfig.model_validate(raw)
@@ -412,88 +404,13 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> SweepConfig:
             message = f"unknown key '{loc[-1]}'{did_you_mean(str(loc[-1]), _allowed_keys(loc[:-1]))}"
         elif error["type"] == "missing":
             message = f"missing key '{loc[-1]}'"
-        raise KvbenchError(f"{_where(sources, overridden, loc)}: {_dotted(loc)}: {message}") from None
+        raise KvbenchError(f"{where_given(sources, overridden, loc)}: {dotted(loc)}: {message}") from None
     except _Located as exc:
-        raise KvbenchError(f"{_where(sources, overridden, exc.loc)}: {_dotted(exc.loc)}: {exc}") from None
+        raise KvbenchError(f"{where_given(sources, overridden, exc.loc)}: {dotted(exc.loc)}: {exc}") from None
     # warned of once a config is valid, so that a bad one still ends in its one error line alone
     for budget in sorted({b for b in config.all_budgets() if type(b) is int}):
         warn_if_ratio_like(budget)
     return config
-
-
-def _read_with_includes(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, Any], list[tuple[Path, Any]]]:
-    """The merged mapping (included files first, this file on top) and each file's YAML node tree."""
-    if not path.is_file():
-        raise KvbenchError(f"config file not found: {path}")
-    if path.resolve() in seen:
-        raise KvbenchError(f"{path}: include cycle")
-    text = path.read_text(encoding="utf-8")
-    try:
-        data, node = yaml.safe_load(text), yaml.compose(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark else ""
-        reason = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise KvbenchError(f"{path}{line}: malformed YAML: {reason}") from None
-    if not isinstance(data, dict):
-        raise KvbenchError(f"{path}: a config must be a mapping of keys, got {type(data).__name__}")
-    includes = data.pop("include", [])
-    plugins = data.pop("plugins", [])
-    merged: dict[str, Any] = {}
-    sources: list[tuple[Path, Any]] = [(path, node)]
-    for include in [includes] if isinstance(includes, str) else includes:
-        included, inner = _read_with_includes(path.parent / include, seen + (path.resolve(),))
-        merged = _merge(merged, included)
-        sources.extend(inner)
-    merged = _merge(merged, data)
-    # folders add up over includes (an included file's policies still need theirs), each relative to its own file
-    if isinstance(plugins, str):
-        plugins = [plugins]
-    if isinstance(plugins, list):
-        plugins = [*merged.get("plugins", []), *(str(path.parent / p) if isinstance(p, str) else p for p in plugins)]
-    if plugins:
-        merged["plugins"] = plugins  # anything but folders is left for validation to name
-    return merged, sources
-
-
-def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in top.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
-def _assign(tree: Any, keys: list[str], value: Any) -> None:
-    """Set `value` at a dotted path; numeric parts index lists (`policies.0=window`)."""
-    *parents, last = keys
-    for depth, key in enumerate(parents):
-        if isinstance(tree, list):
-            index = _index(tree, key)
-            if isinstance(tree[index], str):  # a bare model id or name takes sub-keys in its mapping form
-                tree[index] = _model_spec(tree[index]) if keys[depth - 1] == "models" else _named(tree[index])
-            tree = tree[index]
-            continue
-        node = tree.setdefault(key, {})
-        if not isinstance(node, (dict, list)):
-            node = tree[key] = {"id": node} if key == "model" else {}
-        tree = node
-    if isinstance(tree, list):
-        tree[_index(tree, last)] = value
-    else:
-        tree[last] = value
-
-
-def _index(items: list, key: str) -> int:
-    if not key.isdigit() or int(key) >= len(items):
-        raise KvbenchError(f"--set: '{key}' is not an index of a {len(items)}-item list")
-    return int(key)
-
-
-def _dotted(loc: tuple) -> str:
-    text = ""
-    for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text
 
 
 def _allowed_keys(loc: tuple) -> list[str]:
@@ -521,30 +438,3 @@ def _section(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _where(sources: list[tuple[Path, Any]], overridden: list[tuple[tuple, str]], loc: tuple) -> str:
-    """`--set key=value` where the command line set `loc` (or a key above it), else `file:line` of the deepest node
-    on `loc` that some source file spells out."""
-    for keys, item in reversed(overridden):  # the last --set of a key is the one that stands
-        if loc[: len(keys)] == keys:
-            return f"--set {item}"
-    for path, root in sources:
-        node, line = root, None
-        for part in loc:
-            child = _child(node, part)
-            if child is None:
-                break
-            line, node = child.start_mark.line + 1, child
-        if line is not None:
-            return f"{path}:{line}"
-    return str(sources[0][0])
-
-
-def _child(node: Any, part: Any) -> Any:
-    if isinstance(node, yaml.MappingNode):
-        for key, value in node.value:
-            if key.value == part:
-                return value
-        return None
-    if isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-        return node.value[part]
-    return None
