@@ -174,10 +174,10 @@ class KVCache(Cache):
         what that row's cache alone would get)."""
         growth = self.growth if growth is None else growth
         headroom = self.headroom if headroom is None else headroom
-        bounded = self.phase is Phase.PREFILL or self.policy.schedule == "decode"
+        bounded = self.phase is Phase.PREFILL or self.policy.schedule.decodes
         held = None  # the most entries the layer keeps between forwards, if bounded
         # a threshold bounds nothing ahead: the buffer fits what it kept, growing as a full cache does
-        if self.budget is not None and self.threshold is None and bounded and self.policy.active(self) and \
+        if self.budget is not None and self.threshold is None and bounded and \
                 self.policy.bounded(self.layers[layer_idx]):
             assert self.layer_budgets is not None
             held = self.layer_budgets[layer_idx]
@@ -256,7 +256,7 @@ class KVCache(Cache):
     def compress(self) -> None:
         """Evict down to the budget (kvbench/eviction.py decides what stays): after each prefill chunk, and while
         decoding once `evict_every` tokens arrived beyond it."""
-        if self.budget is None or not self.policy.active(self) or not self._threshold_due():
+        if self.budget is None or not self._threshold_due():
             return
         assert self.layer_budgets is not None
         slack = 1 if self.phase is Phase.PREFILL else self.evict_every

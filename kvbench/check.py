@@ -30,7 +30,7 @@ from kvbench.kept import TIE_TOLERANCE, agreement, kept_channels, kept_history, 
 from kvbench.measure import Stopwatch, memory_pressure, open_nvml, tracing
 from kvbench.models import LoadedModel
 from kvbench.policies import POLICIES, build_policy
-from kvbench.policies.base import Schedule
+from kvbench.policies.base import Demand
 from kvbench.session import Session
 from kvbench.settings import RunSettings
 
@@ -175,7 +175,7 @@ def check_layers(lm: LoadedModel, prompt: list[int]) -> Check:
     if len(prompt) <= max(windows):
         return Check("layers", "skip", f"{shape}: the {len(prompt)}-token prompt does not pass the window "
                      f"(raise --context)", {"layers": len(kinds)})
-    session = Session(lm, build_policy("full"), RunSettings(), prompt_tokens=len(prompt), growth=1)
+    session = Session(lm, build_policy("full"), RunSettings(), prompt_tokens=len(prompt), adds=0)
     with session:
         session.prefill(prompt)
     held = [int(layer.live_positions().shape[-1]) for layer in session.cache.layers]
@@ -191,10 +191,10 @@ def check_layers(lm: LoadedModel, prompt: list[int]) -> Check:
 def check_policy(lm: LoadedModel, name: str, prompt: list[int], decode: list[int], label: str) -> Check:
     budget, policy = max(1, round(BUDGET_RATIO * len(prompt))), build_policy(name)
     try:
-        policy.check_budget(budget)
+        policy.check(Demand(budget=budget))
     except KvbenchError as exc:
         return Check(f"policy.{name}.{label}", "skip", f"{name} at {budget} of {len(prompt)} tokens: {exc}")
-    steps = decode if policy.schedule is Schedule.DECODE else []
+    steps = decode if policy.schedule.decodes else []
     ours, policy = kept_history(lm, name, prompt, steps, budget)
     theirs, scores = policy.reference(lm, prompt, steps, budget)
     mean, worst = agreement(ours if scores is None else ours[:1], theirs, scores)
@@ -250,7 +250,7 @@ def check_memory(lm: LoadedModel, prompt: list[int], short: list[int]) -> Iterat
 
 def _measured_full(lm: LoadedModel, prompt: list[int]) -> tuple[dict[str, Any], int]:
     """A `full` session's record after a prompt and a few tokens, and the bytes its cache's tensors hold."""
-    session = Session(lm, build_policy("full"), RunSettings(), prompt_tokens=len(prompt), growth=8)
+    session = Session(lm, build_policy("full"), RunSettings(), prompt_tokens=len(prompt), adds=4)
     with session:
         session.prefill(prompt)
         session.decode(4, set())
@@ -286,7 +286,7 @@ def check_cpu_limit(lm: LoadedModel, prompt: list[int], full_bytes: int) -> Chec
     """On CPU the memory condition caps the KV cache: a cap of half the full cache must stop `full`."""
     try:
         session = Session(lm, build_policy("full"), RunSettings(kv_limit_bytes=full_bytes // 2),
-                          prompt_tokens=len(prompt), growth=1)
+                          prompt_tokens=len(prompt), adds=0)
         with session:
             session.prefill(prompt)
     except torch.OutOfMemoryError as exc:

@@ -40,7 +40,7 @@ def kvbench_generate(lm: LoadedModel, policy: str, prompt: list[int], new_tokens
     """kvbench's greedy tokens and each step's logits under `policy` (as `stock_generate`); `measured`: inside the
     session's memory measurement (its NVML sampler runs on a GPU)."""
     session = Session(lm, build_policy(policy), RunSettings(budget=budget), prompt_tokens=len(prompt),
-                      growth=new_tokens)
+                      adds=new_tokens)
     logits: list[torch.Tensor] = []
     with session if measured else contextlib.nullcontext():
         session.prefill(prompt)

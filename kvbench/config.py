@@ -247,7 +247,7 @@ class SweepConfig(Strict):
     @model_validator(mode="after")
     def _registered(self) -> SweepConfig:
         from kvbench.policies import POLICIES
-        from kvbench.policies.base import takes_budget
+        from kvbench.policies.base import Demand, takes_budget
         from kvbench.tasks import TASKS
 
         for field, registry in (("policies", POLICIES), ("tasks", TASKS)):
@@ -262,21 +262,19 @@ class SweepConfig(Strict):
                     except KvbenchError as exc:  # the task's own spec, or its lengths: the message says which
                         raise _Located((field, index), str(exc)) from None
                 if field == "policies":
+                    chunked = self.prefill.mode == "chunked"
                     try:
-                        built.check_settings(chunked=self.prefill.mode == "chunked")
+                        built.check(Demand(chunked=chunked))
                     except KvbenchError as exc:
                         raise _Located((field, index, "name"), str(exc)) from None
                     for budget in spec.budgets or self.budgets:
-                        if takes_budget(built) and threshold_from(budget) is not None:
-                            try:
-                                built.check_threshold()
+                        tokens = budget if isinstance(budget, int) else None
+                        if takes_budget(built) and (tokens is not None or threshold_from(budget) is not None):
+                            try:  # a policy cannot take thresholds at all, or cannot take this token count
+                                built.check(Demand(tokens, threshold_from(budget) is not None, chunked))
                             except KvbenchError as exc:
-                                raise _Located((field, index, "name"), str(exc)) from None
-                        if takes_budget(built) and isinstance(budget, int):
-                            try:
-                                built.check_budget(budget)
-                            except KvbenchError as exc:
-                                raise _Located(("budgets",), str(exc)) from None
+                                where = ("budgets",) if tokens is not None else (field, index, "name")
+                                raise _Located(where, str(exc)) from None
         return self
 
     def all_budgets(self) -> list[BudgetSpec]:

@@ -69,7 +69,7 @@ def generate_rows(lm: LoadedModel, policy: Policy, prompts: list[Prompt], settin
     def session_of(policy: Policy, observers: list[Policy] | None = None) -> Session:
         return Session(lm, policy, settings, prompt_tokens=[len(p.context) + len(p.question) for p in prompts],
                        arrival=[len(p.question) if agnostic else 1 for p in prompts], observers=observers,
-                       growth=[p.max_new_tokens + (len(p.question) if agnostic else 0) for p in prompts],
+                       adds=[p.max_new_tokens + (len(p.question) if agnostic else 0) for p in prompts],
                        left_padding=padding)
 
     def prefill(session: Session) -> None:
@@ -131,7 +131,7 @@ def generate_batch(lm: LoadedModel, policy: Policy, prompts: list[list[int]], se
 
     ids, padding = left_padded(lm, prompts)
     eos = lm.eos_token_ids if eos_token_ids is None else eos_token_ids
-    session = Session(lm, policy, settings, prompt_tokens=ids.shape[1], growth=max_new_tokens, left_padding=padding)
+    session = Session(lm, policy, settings, prompt_tokens=ids.shape[1], adds=max_new_tokens, left_padding=padding)
     with session:
         session.prefill(ids)
         rows = session.decode(max_new_tokens, eos)

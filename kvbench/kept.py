@@ -23,7 +23,7 @@ def kept_history(lm: LoadedModel, policy_name: str, prompt: list[int], decode: l
     """kvbench's kept masks `[kv_heads, seen]` per layer, after the prompt and after each decode token, and the
     policy."""
     policy = build_policy(policy_name)
-    session = Session(lm, policy, RunSettings(budget=budget), prompt_tokens=len(prompt), growth=len(decode))
+    session = Session(lm, policy, RunSettings(budget=budget), prompt_tokens=len(prompt), adds=len(decode))
     with torch.inference_mode():
         session.prefill(prompt)
         history = [kept_masks(session.cache)]

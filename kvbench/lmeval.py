@@ -117,10 +117,11 @@ class KvbenchLM(HFLM):
         super().__init__(pretrained=self.kv_lm.model, tokenizer=self.kv_lm.tokenizer, backend="causal", batch_size=1,
                          max_length=max_length or self.kv_lm.model.config.max_position_embeddings)
 
-    def _session(self, prompt_tokens: int, arrival: int, growth: int = 256, chunked: bool | None = None) -> Session:
+    def _session(self, prompt_tokens: int, arrival: int, adds: int | None = None,
+                 chunked: bool | None = None) -> Session:
         # a fresh copy per request: a policy's per-sample state (the random policy's generator) starts anew
         return Session(self.kv_lm, dataclasses.replace(self.kv_policy), self.settings, prompt_tokens,
-                       arrival=arrival, growth=growth, chunked=chunked)
+                       arrival=arrival, adds=adds, chunked=chunked)
 
     def _record(self, request, kind: str, session: Session, **outputs: Any) -> None:
         self.measurements.append({"request_type": kind, "task": getattr(request, "task_name", None),
@@ -194,7 +195,7 @@ class KvbenchLM(HFLM):
         out = []
         for request in requests:
             ids = [self.prefix_token_id, *self.tok_encode(request.args[0], add_special_tokens=False)]
-            session = self._session(len(ids), arrival=self.stream_chunk, growth=max(self.stream_chunk, 256))
+            session = self._session(len(ids), arrival=self.stream_chunk)
             with session:  # a fresh session streams the text: the first chunk is the prompt, compressed once
                 logprob = float(session.score(ids, chunk=self.stream_chunk).logprobs.sum())
             out.append(logprob)
@@ -211,7 +212,7 @@ class KvbenchLM(HFLM):
             max_gen_toks = kwargs.pop("max_gen_toks")
             ids = self.tok_encode(context)
             head, question = self._split(context, ids, doc_name(request)) if self.marker else (ids, [])
-            session = self._session(len(ids), arrival=max(1, len(question)), growth=max_gen_toks + len(question))
+            session = self._session(len(ids), arrival=max(1, len(question)), adds=max_gen_toks + len(question))
             with session:
                 session.prefill(head)
                 if question:

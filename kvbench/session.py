@@ -1,6 +1,6 @@
 """The engine session: one cache under one policy and budget, and the few calls every task makes of it.
 
-    session = Session(lm, policy, settings, prompt_tokens=len(prompt), growth=max_new_tokens)
+    session = Session(lm, policy, settings, prompt_tokens=len(prompt), adds=max_new_tokens)
     with session:                             # peak memory is measured over the block
         session.prefill(context)              # `full` or `chunked`, compressing as the settings say
         session.append(question)              # text after compression (an agnostic question)
@@ -22,8 +22,9 @@ session too: each row counts positions from its first real token, padding is mas
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 
@@ -32,13 +33,10 @@ from kvbench.generation import Generation, Prompt, generate, generate_batch, gen
 from kvbench.measure import PeakMemory, Stopwatch
 from kvbench.measurements import cache_measurements, timings
 from kvbench.models import LoadedModel
-from kvbench.policies.base import Policy, Schedule
+from kvbench.policies.base import Policy
 from kvbench.rows import RowAccounts
 from kvbench.settings import RunSettings, check_budget, compression_plan, policy_budget, resolve_budget, threshold_of
 from kvbench.sharing import SharedPrefill, compression_key, shared_prefill, wanted_compressions
-
-if TYPE_CHECKING:
-    pass
 
 # plugins, tests and benchmarks import the names of kvbench's other modules from here too
 __all__ = [
@@ -46,6 +44,8 @@ __all__ = [
     "compression_key", "compression_plan", "generate", "generate_batch", "generate_rows", "left_padded",
     "policy_budget", "resolve_budget", "shared_prefill", "threshold_of", "timings", "wanted_compressions",
 ]
+
+T = TypeVar("T")
 
 
 class Scored(NamedTuple):
@@ -58,30 +58,40 @@ class Scored(NamedTuple):
 class Session:
     """A cache under `policy` at the settings' budget (resolved against `prompt_tokens`), fed through `lm`.
 
-    Sizing: between two evictions a layer may receive a prefill chunk, `evict_every` decode tokens or
-    `arrival` tokens at once (a question, a user turn, a scored chunk), so its buffer has room for that beyond
-    the budget; a cache that stops evicting grows `growth` slots at a time. `chunked` says whether the prompt
-    is compressed more than once (default: the settings' prefill mode); `observers` gathers the statistics of
-    other policies too (a shared prefill); `left_padding` `[batch]` makes it a left-padded batch.
+    What the caller will feed after the prompt: at most `arrival` tokens at once (a question, a user turn, a
+    scored chunk), and `adds` tokens in all, fed and generated (None: it cannot tell, as a stream or a
+    conversation cannot). The session sizes the buffers from them: between two evictions a layer may receive a
+    prefill chunk, `evict_every` decode tokens or an arrival, so it has room for that beyond the budget; a cache
+    that stops evicting grows by `adds` slots at once (by max(arrival, 256) at a time without it). `chunked` says
+    whether the prompt is compressed more than once (default: the settings' prefill mode); `observers` gathers the
+    statistics of other policies too (a shared prefill); `left_padding` `[batch]` makes it a left-padded batch.
 
-    A batch gives `prompt_tokens`, `arrival` and `growth` per row (or one for all): every row evicts as its own
+    A batch gives `prompt_tokens`, `arrival` and `adds` per row (or one for all): every row evicts as its own
     cache would (kvbench/rows.py keeps each row's accounts), so the rows must share one resolved budget
     (`compression_plan`).
     """
 
     def __init__(self, lm: LoadedModel, policy: Policy, settings: RunSettings, prompt_tokens: int | Sequence[int],
-                 *, arrival: int | Sequence[int] = 1, growth: int | Sequence[int] = 256, chunked: bool | None = None,
+                 *, arrival: int | Sequence[int] = 1, adds: int | Sequence[int] | None = None,
+                 chunked: bool | None = None, growth: int | Sequence[int] | None = None,
                  observers: list[Policy] | None = None, left_padding: torch.Tensor | None = None) -> None:
         self.lm, self.policy, self.settings = lm, policy, settings
         self.rows = 1 if left_padding is None else len(left_padding)
-        prompts, arrivals, growths = (_per_row(value, self.rows) for value in (prompt_tokens, arrival, growth))
+        prompts, arrivals = _per_row(prompt_tokens, self.rows), _per_row(arrival, self.rows)
+        if growth is not None:
+            warnings.warn("Session(growth=) is deprecated and goes in the next release: say what you will feed "
+                          "after the prompt with `adds=`, and the session sizes the buffers", DeprecationWarning,
+                          stacklevel=2)
+        # a cache that stops evicting grows by what the row adds at once, or a step at a time when it cannot tell
+        growths = [max(a, 256) if later is None else later
+                   for a, later in zip(arrivals, _per_row(adds if growth is None else growth, self.rows), strict=True)]
         chunked = settings.prefill == "chunked" if chunked is None else chunked
         plans = {compression_plan(policy, settings, tokens, chunked, lm.num_layers) for tokens in prompts}
         if len(plans) > 1:
             raise ValueError(f"the rows of a batch must share one budget and its layer budgets, got {sorted(plans)}")
         self.budget = plans.pop()[0]
         policy.prepare(lm)
-        evict_every = max(policy.eviction_periods(), default=settings.evict_every)  # R-KV's buffer is its own
+        evict_every = policy.schedule.every or settings.evict_every  # R-KV's buffer is its own
         headrooms = [max(evict_every, settings.prefill_chunk if settings.prefill == "chunked" else 1, a)
                      for a in arrivals]
         padded = left_padding is not None and int(left_padding.max()) > 0
@@ -89,7 +99,7 @@ class Session:
         accounts = None if left_padding is None or policy.layout() is not None else \
             RowAccounts(lm.num_layers, lm.kv_heads, left_padding.tolist(), growths, headrooms)
         # a sparse policy's budget bounds what each decode step reads, not what the cache keeps
-        sparse = policy.schedule is Schedule.READ
+        sparse = policy.schedule.when == "read"
         sizing = CacheSettings(budget=None if sparse else self.budget, read_budget=self.budget if sparse else None,
                                threshold=None if self.budget is None else threshold_of(settings),
                                evict_every=evict_every, headroom=max(headrooms), growth=max(growths),
@@ -137,7 +147,7 @@ class Session:
             raise RuntimeError("measurements() needs the session to have run inside `with session:`")
         schedule = self.policy.schedule
         # before any decode step, a decode-time budget has bounded the prompt only, and a sparse one nothing
-        scope = schedule if self.decoded else (Schedule.PREFILL if schedule.evicts else Schedule.NONE)
+        scope = schedule.when if self.decoded else ("prefill" if schedule.evicts else "none")
         if self.rows == 1:
             speed = timings(self.tokens_fed, self.prefill_s, self.ttft_s, self.step_s, self.generated_tokens)
         else:
@@ -341,7 +351,7 @@ class Session:
 
     def _compress(self) -> None:
         """Evict to the budget: always after prompt text, in the decode phase only for a decode-time policy."""
-        if self.cache.phase is Phase.PREFILL or self.policy.schedule is Schedule.DECODE:
+        if self.cache.phase is Phase.PREFILL or self.policy.schedule.decodes:
             self.cache.compress()
 
     def _forward(self, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
@@ -386,9 +396,9 @@ class Session:
                                for fed, pad in zip(self.row_tokens_fed, self.cache.row_padding, strict=True)]
 
 
-def _per_row(value: int | Sequence[int], rows: int) -> list[int]:
+def _per_row(value: T | Sequence[T], rows: int) -> list[T]:
     """One value for each of `rows` rows: given per row, or one for all."""
-    if isinstance(value, int):
+    if not isinstance(value, Sequence):
         return [value] * rows
     if len(value) != rows:
         raise ValueError(f"{len(value)} values for {rows} rows")

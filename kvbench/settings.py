@@ -10,7 +10,7 @@ from typing import Literal
 
 from kvbench.budgets import Threshold
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Policy, takes_budget
+from kvbench.policies.base import Demand, Policy, takes_budget
 
 
 @dataclass(frozen=True)
@@ -68,11 +68,7 @@ def policy_budget(policy: Policy, settings: RunSettings, prompt_tokens: int, chu
     budget = None if not takes_budget(policy) else resolve_budget(settings.budget, prompt_tokens)
     if takes_budget(policy) and budget is None:
         raise KvbenchError(f"policy '{policy.name}' needs a budget")
-    if budget is not None and isinstance(settings.budget, Threshold):
-        policy.check_threshold()
-    if budget is not None:
-        policy.check_budget(budget)
-    policy.check_settings(chunked=chunked)
+    policy.check(Demand(budget, budget is not None and isinstance(settings.budget, Threshold), chunked))
     return budget
 
 

@@ -4,9 +4,9 @@ registers its policies: a new policy is its file."""
 import importlib
 import pkgutil
 
-from kvbench.policies.base import POLICIES, Policy, Schedule, build_policy, register
+from kvbench.policies.base import POLICIES, Demand, Policy, Schedule, build_policy, register
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["POLICIES", "Policy", "Schedule", "build_policy", "register"]
+__all__ = ["POLICIES", "Demand", "Policy", "Schedule", "build_policy", "register"]

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Schedule, Wrapper, recent_mask, register
+from kvbench.policies.base import Demand, Schedule, Wrapper, recent_mask, register
 
 
 @register
@@ -27,13 +27,13 @@ class AdaKV(Wrapper):
         if not 0.0 <= self.alpha <= 1.0:
             raise KvbenchError(f"policy 'ada_kv' parameter 'alpha' must be in [0, 1], got {self.alpha}")
         self._stages = (self.build_stage(self.base),)
-        if self._stages[0].schedule is not Schedule.PREFILL or not self._stages[0].needs_attention:
+        if self._stages[0].schedule.when != "prefill" or not self._stages[0].needs_attention:
             raise KvbenchError(f"policy 'ada_kv': base '{self._stages[0].name}' must be a prefill-time attention "
                                "scorer (snapkv, pyramidkv)")
 
-    def check_settings(self, chunked: bool) -> None:
-        super().check_settings(chunked)
-        if chunked:  # later chunks would be scored against padding slots
+    def check(self, demand: Demand) -> None:
+        super().check(demand)
+        if demand.chunked:  # later chunks would be scored against padding slots
             raise KvbenchError("policy 'ada_kv' compresses the prompt once: use prefill mode 'full'")
 
     def select(self, layer, budget: int) -> torch.Tensor:

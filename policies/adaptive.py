@@ -7,7 +7,7 @@ import psutil
 import torch
 
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import BatchLimit, Schedule, Wrapper, register
+from kvbench.policies.base import BatchLimit, Wrapper, register
 
 
 @register
@@ -31,10 +31,12 @@ class Adaptive(Wrapper):
             raise KvbenchError(
                 f"policy 'adaptive' parameter 'limit_fraction' must be in (0, 1], got {self.limit_fraction}")
         self._stages = (self.build_stage(self.fallback),)
-        if self._stages[0].schedule is not Schedule.DECODE:
+        if not self._stages[0].schedule.decodes:
             raise KvbenchError(f"policy 'adaptive': fallback '{self._stages[0].name}' does not evict while decoding")
+        self.schedule = self._stages[0].schedule  # type: ignore[misc]
 
-    def active(self, cache) -> bool:
+    def bounded(self, layer) -> bool:
+        cache = layer.owner
         if self._switched_at is None:
             if self._limit is None:
                 self._limit = self.limit_bytes if self.limit_bytes is not None else int(
@@ -42,7 +44,7 @@ class Adaptive(Wrapper):
             if cache.live_bytes() < self._limit:
                 return False
             self._switched_at = cache.layers[0].seen
-        return super().active(cache)
+        return super().bounded(layer)
 
     def batch_limits(self) -> list[BatchLimit]:
         return [*super().batch_limits(),

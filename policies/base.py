@@ -19,14 +19,14 @@ kvbench/attention.py and counts the bytes read).
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable
-from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 import torch
 
 from kvbench.errors import KvbenchError
+from kvbench.policies.deprecated import translate_deprecated
+from kvbench.policies.schedule import Demand, Schedule
 from kvbench.registry import Registry, declared_params
 
 if TYPE_CHECKING:
@@ -38,19 +38,6 @@ if TYPE_CHECKING:
     from kvbench.storage import Layout
 
 HookScope = Literal["active", "first", "all"]
-
-
-class Schedule(str, Enum):
-    """When a policy compresses, which is what its budget bounds (the record's `budget_scope`)."""
-
-    NONE = "none"  # keeps every entry (full, a storage policy alone): a budget means nothing to it
-    PREFILL = "prefill"  # compresses the prompt; the cache grows while decoding
-    DECODE = "decode"  # compresses the prompt and keeps evicting while decoding: the budget holds throughout
-    READ = "read"  # keeps every entry; each decode step reads a budget's worth of them (sparse)
-
-    @property
-    def evicts(self) -> bool:
-        return self in (Schedule.PREFILL, Schedule.DECODE)
 
 
 class BatchLimit(NamedTuple):
@@ -80,8 +67,8 @@ def hooks() -> dict[str, HookScope]:
 @dataclasses.dataclass
 class Policy:
     name: ClassVar[str]
-    # when it compresses; an instance whose parameters decide (`decode: true`, a wrapper's base) sets its own in
-    # `__post_init__`. How often while decoding: the run's `evict_every`, or its `eviction_periods`
+    # when it compresses and how often; an instance whose parameters decide (`decode: true`, R-KV's buffer, a
+    # wrapper's stages) sets its own in `__post_init__`
     schedule: ClassVar[Schedule] = Schedule.DECODE
     needs_attention: ClassVar[bool] = False
     # how it saves memory: drops entries (eviction), keeps every token in fewer bytes or entries (compression);
@@ -95,24 +82,22 @@ class Policy:
     # the kept entries stored compressed: a storage policy's name, or {name: {params}}
     storage: str | dict[str, Any] | None = dataclasses.field(default=None, kw_only=True)
 
+    # set on a plugin class that still validates in `check_budget` or `check_settings`
+    _legacy_checks: ClassVar[bool] = False
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "phases" in vars(cls):  # a plugin written for the release that declared `phases`
-            warnings.warn(f"policy class {cls.__name__}: `phases` is deprecated and goes in the next release; declare "
-                          "`schedule` (kvbench.policies.base.Schedule) instead", DeprecationWarning, stacklevel=2)
-            phases = tuple(vars(cls)["phases"])
-            delattr(cls, "phases")
-            cls.schedule = Schedule.DECODE if "decode" in phases else Schedule.PREFILL if phases else Schedule.NONE
+        translate_deprecated(cls)
 
     @property
     def phases(self) -> tuple[str, ...]:
         """Deprecated (next release: gone): `schedule` says when the policy compresses."""
-        return {Schedule.PREFILL: ("prefill",), Schedule.DECODE: ("prefill", "decode")}.get(self.schedule, ())
+        return {"prefill": ("prefill",), "decode": ("prefill", "decode")}.get(self.schedule.when, ())
 
     @property
     def evicts_during_decode(self) -> bool:
-        """Deprecated (next release: gone): `schedule is Schedule.DECODE`."""
-        return self.schedule is Schedule.DECODE
+        """Deprecated (next release: gone): `schedule.decodes`."""
+        return self.schedule.decodes
 
     def __post_init__(self) -> None:
         if self.storage is not None and type(self).layout is not Policy.layout:
@@ -154,13 +139,6 @@ class Policy:
         already are on such a scale; a policy whose scores are not normalises them here."""
         return self.score(layer, layer.length)
 
-    def check_threshold(self) -> None:
-        """Raise KvbenchError when this policy cannot take a threshold budget."""
-        if self.threshold_scale is None:
-            takers = ", ".join(name for name in POLICIES.names() if POLICIES.get(name).threshold_scale)
-            raise KvbenchError(f"policy '{self.name}' takes no threshold budget: its scores have no normalised "
-                               f"scale (policies that do: {takers})")
-
     @hook("active")
     def select(self, layer: LayerKV, budget: int) -> torch.Tensor | None:
         """A `[batch, kv_heads, length]` keep mask with any count per head (Ada-KV); None: the top `budget`
@@ -196,21 +174,11 @@ class Policy:
         return None
 
     @hook("active")
-    def active(self, cache: KVCache) -> bool:
-        """Whether the cache should evict now (a policy may wait, e.g. until a memory limit is reached)."""
-        return True
-
-    @hook("active")
     def bounded(self, layer: LayerKV) -> bool:
-        """Whether `layer` holds to its budget; False: the policy left it whole (SimLayerKV's layers that are not
-        lazy), so it is neither evicted nor sized to the budget, and grows as a full cache does."""
+        """Whether `layer` holds to its budget now; False: the policy leaves it whole (SimLayerKV's layers that are
+        not lazy, every layer until adaptive's memory limit), so it is neither evicted nor sized to the budget, and
+        grows as a full cache does."""
         return True
-
-    @hook("all")
-    def eviction_periods(self) -> list[int]:
-        """Decode tokens between two evictions that the policy's definition fixes (R-KV's buffer; a wrapper's
-        stages, each its own): the cache evicts every `max` of them, [] for the run's `evict_every`."""
-        return []
 
     @hook("all")
     def report(self) -> dict[str, Any]:
@@ -223,15 +191,29 @@ class Policy:
         state that spans the rows, or scores that follow where a row's entries lie in the slots."""
         return []
 
-    @hook("all")
-    def check_settings(self, chunked: bool) -> None:
-        """Raise KvbenchError when this policy cannot run with these run settings."""
+    def check(self, demand: Demand) -> None:
+        """Raise KvbenchError when this policy cannot run as `demand` asks. A policy with limits of its own (a budget
+        beyond its window, no chunked prefill) extends it, calling `super().check(demand)` first."""
+        if demand.threshold and self.threshold_scale is None:
+            takers = ", ".join(name for name in POLICIES.names() if POLICIES.get(name).threshold_scale)
+            raise KvbenchError(f"policy '{self.name}' takes no threshold budget: its scores have no normalised "
+                               f"scale (policies that do: {takers})")
+        if demand.budget is not None and demand.budget < 1:
+            raise KvbenchError(f"{self.name}: budget must be at least 1 token, got {demand.budget}")
 
-    @hook("all")
     def check_budget(self, budget: int) -> None:
-        """Raise KvbenchError when this policy cannot work within `budget` tokens."""
-        if budget < 1:
-            raise KvbenchError(f"{self.name}: budget must be at least 1 token, got {budget}")
+        """Deprecated (next release: gone): `check(Demand(budget=budget))`."""
+        # a plugin's own `check_budget` calls this through `super()` from inside its `check`: the base's part only
+        (Policy.check if self._legacy_checks else type(self).check)(self, Demand(budget=budget))
+
+    def check_settings(self, chunked: bool) -> None:
+        """Deprecated (next release: gone): `check(Demand(chunked=chunked))`."""
+        if not self._legacy_checks:
+            self.check(Demand(chunked=chunked))
+
+    def check_threshold(self) -> None:
+        """Deprecated (next release: gone): `check(Demand(threshold=True))`."""
+        self.check(Demand(threshold=True))
 
     @classmethod
     def params(cls) -> dict[str, Any]:
@@ -266,7 +248,7 @@ class Policy:
 def takes_budget(policy: Policy | type[Policy]) -> bool:
     """Whether a budget means anything to `policy` (an instance or a class): it evicts to one, or reads one's worth
     per decode step (sparse). `full` and a storage policy alone keep every token whatever the budget."""
-    return policy.schedule is not Schedule.NONE
+    return policy.schedule.when != "none"
 
 
 POLICIES: Registry[Policy] = Registry("policy")
@@ -312,6 +294,11 @@ class Wrapper(Policy):
     def stage(self, cache: KVCache) -> Policy:
         """The stage in charge of `cache` now (by default the first)."""
         return self._stages[0]
+
+    def check(self, demand: Demand) -> None:
+        super().check(demand)
+        for stage in self._stages:
+            stage.check(demand)
 
     def build_stage(self, spec: str | dict[str, Any]) -> Policy:
         stage = build_spec(spec)
@@ -370,9 +357,10 @@ class RetrievalHeads(Policy):
         if self.sinks < 0:
             raise KvbenchError(f"policy '{self.name}' parameter 'sinks' must be >= 0, got {self.sinks}")
 
-    def check_budget(self, budget: int) -> None:
-        if budget <= self.sinks:
-            raise KvbenchError(f"{self.name}: budget {budget} leaves its streaming heads no room beyond "
+    def check(self, demand: Demand) -> None:
+        super().check(demand)
+        if demand.budget is not None and demand.budget <= self.sinks:
+            raise KvbenchError(f"{self.name}: budget {demand.budget} leaves its streaming heads no room beyond "
                                f"sinks={self.sinks}")
 
     def retrieval_heads(self) -> torch.Tensor:

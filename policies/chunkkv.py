@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import BatchLimit, Rescorer, Schedule, register
+from kvbench.policies.base import BatchLimit, Rescorer, register
 
 
 @register
@@ -34,12 +34,12 @@ class ChunkKV(Rescorer):
         if self.chunk < 1:
             raise KvbenchError(f"policy 'chunkkv' parameter 'chunk' must be at least 1, got {self.chunk}")
         super().__post_init__()
-        if self.whole_chunks and self.schedule is Schedule.DECODE:
+        if self.whole_chunks and self.schedule.decodes:
             raise KvbenchError(f"policy 'chunkkv': whole_chunks compresses the prompt once; base "
                                f"'{self._stages[0].name}' evicts while decoding")
 
     def batch_limits(self) -> list[BatchLimit]:
-        if self.schedule is not Schedule.DECODE:  # a batch hands it each row's prompt as the row holds it alone
+        if not self.schedule.decodes:  # a batch hands it each row's prompt as the row holds it alone
             return super().batch_limits()
         return [*super().batch_limits(), BatchLimit("equal", "policy 'chunkkv' cuts chunks from the slots in position "
                                                              "order, a row's padding included, while decoding")]

@@ -27,11 +27,13 @@ class Compose(Wrapper):
         if type(first).select is not Policy.select:
             # its uneven per-head lengths are padded; decode-time scorers do not skip padding slots
             raise KvbenchError(f"policy '{self.name}': '{first.name}' cannot be followed by a decode-time policy")
-        if then.schedule is not Schedule.DECODE:
+        if not then.schedule.decodes:
             raise KvbenchError(f"policy '{self.name}': decode policy '{then.name}' does not evict while decoding")
         # both stages observe every step (the decode stage's statistics, e.g. H2O's, include the prompt); the
         # layer budgets are the prefill stage's (PyramidKV's pyramid holds through decoding)
         self._stages = (first, then)
+        periods = [stage.schedule.every for stage in self._stages if stage.schedule.every is not None]
+        self.schedule = Schedule.DECODE.each(max(periods)) if periods else Schedule.DECODE  # type: ignore[misc]
 
     def stage(self, cache) -> Policy:
         return self._stages[0] if cache.phase is Phase.PREFILL else self._stages[1]

@@ -8,7 +8,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from kvbench.attention import queries_per_chunk
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Policy, Schedule, protect, register, shares
+from kvbench.policies.base import Demand, Policy, Schedule, protect, register, shares
 from kvbench.rows import rows_of
 
 
@@ -64,10 +64,10 @@ class ExpectedAttention(Policy):
         if self.decode:
             self.schedule = Schedule.DECODE  # type: ignore[misc]
 
-    def check_budget(self, budget: int) -> None:
-        super().check_budget(budget)
-        if budget <= self.n_sink:
-            raise KvbenchError(f"expected_attention: budget {budget} must exceed n_sink={self.n_sink}")
+    def check(self, demand: Demand) -> None:
+        super().check(demand)
+        if demand.budget is not None and demand.budget <= self.n_sink:
+            raise KvbenchError(f"expected_attention: budget {demand.budget} must exceed n_sink={self.n_sink}")
 
     def observe(self, layer, query, key, scaling, phase) -> None:
         if phase != "prefill" and not self.decode:

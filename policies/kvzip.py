@@ -6,7 +6,7 @@ import torch
 
 from kvbench.attention import attention_probs
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import BatchLimit, Policy, Schedule, protect, register
+from kvbench.policies.base import BatchLimit, Demand, Policy, Schedule, protect, register
 
 # kvpress's KVzipPress.prepare: the repeat request, and for later chunks the previous chunk's last tokens
 FIRST_REQUEST = "\n\nRepeat the previous context exactly."
@@ -47,9 +47,9 @@ class KVzip(Policy):
         self._probe: tuple[int, int] | None = None  # positions of the prompt chunk being reconstructed
         self._keep: list[int] = []  # entries each layer keeps, over its heads
 
-    def check_settings(self, chunked: bool) -> None:
-        super().check_settings(chunked)
-        if chunked:
+    def check(self, demand: Demand) -> None:
+        super().check(demand)
+        if demand.chunked:
             raise KvbenchError("policy 'kvzip' reconstructs the whole prompt once it is in: use prefill mode 'full'")
 
     def batch_limits(self) -> list[BatchLimit]:

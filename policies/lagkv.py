@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Policy, Schedule, register
+from kvbench.policies.base import Demand, Policy, Schedule, register
 
 
 @register
@@ -40,9 +40,10 @@ class LagKV(Policy):
         if self.lag_size < 2:
             raise KvbenchError(f"policy 'lagkv' parameter 'lag_size' must be at least 2, got {self.lag_size}")
 
-    def check_budget(self, budget: int) -> None:
-        if budget <= self.sink_size:
-            raise KvbenchError(f"lagkv: budget {budget} leaves no room beyond sink_size={self.sink_size}")
+    def check(self, demand: Demand) -> None:
+        super().check(demand)
+        if demand.budget is not None and demand.budget <= self.sink_size:
+            raise KvbenchError(f"lagkv: budget {demand.budget} leaves no room beyond sink_size={self.sink_size}")
 
     def score(self, layer, budget: int) -> torch.Tensor:
         order = layer.live_positions().argsort(dim=-1)

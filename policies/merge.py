@@ -6,7 +6,7 @@ from typing import Literal
 import torch
 
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import BatchLimit, Policy, protect, recent_mask, register
+from kvbench.policies.base import BatchLimit, Demand, Policy, protect, recent_mask, register
 
 
 @register
@@ -33,9 +33,10 @@ class Merge(Policy):
             raise KvbenchError(f"policy 'merge': recent >= 0, sinks >= 0 and target pool or similar, got "
                                f"{self.recent}, {self.sinks}, '{self.target}'")
 
-    def check_budget(self, budget: int) -> None:
-        if budget <= self.recent + self.sinks:
-            raise KvbenchError(f"merge: budget {budget} must exceed recent + sinks = {self.recent + self.sinks}")
+    def check(self, demand: Demand) -> None:
+        super().check(demand)
+        if demand.budget is not None and demand.budget <= self.recent + self.sinks:
+            raise KvbenchError(f"merge: budget {demand.budget} must exceed recent + sinks = {self.recent + self.sinks}")
 
     def batch_limits(self) -> list[BatchLimit]:
         # its folds write into entries by slot: a row's padding would be folded in like its tokens

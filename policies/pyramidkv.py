@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import positive, register
+from kvbench.policies.base import Demand, positive, register
 from kvbench.policies.snapkv import SnapKV
 
 
@@ -39,8 +39,8 @@ class PyramidKV(SnapKV):
         step = (most - least) // (num_layers - 1)
         return [self.window + most - i * step for i in range(num_layers)]
 
-    def check_budget(self, budget: int) -> None:
-        super().check_budget(budget)
-        if (budget - self.window) / self.beta < 1:
-            raise KvbenchError(f"pyramidkv: budget {budget} leaves the top layer no entry beyond the window "
+    def check(self, demand: Demand) -> None:
+        super().check(demand)
+        if demand.budget is not None and (demand.budget - self.window) / self.beta < 1:
+            raise KvbenchError(f"pyramidkv: budget {demand.budget} leaves the top layer no entry beyond the window "
                                f"(need budget >= window + beta = {self.window + self.beta:g})")

@@ -6,7 +6,7 @@ import torch
 
 from kvbench.errors import KvbenchError
 from kvbench.pages import Pages
-from kvbench.policies.base import Policy, Schedule, positive, register
+from kvbench.policies.base import Demand, Policy, Schedule, positive, register
 
 
 @register
@@ -36,9 +36,11 @@ class Quest(Policy):
         if self.dense_layers < 0:
             raise KvbenchError(f"policy 'quest' parameter 'dense_layers' must be at least 0, got {self.dense_layers}")
 
-    def check_budget(self, budget: int) -> None:
-        if budget < self.page_size:
-            raise KvbenchError(f"quest: budget {budget} tokens is less than one page (page_size={self.page_size})")
+    def check(self, demand: Demand) -> None:
+        super().check(demand)
+        if demand.budget is not None and demand.budget < self.page_size:
+            raise KvbenchError(f"quest: budget {demand.budget} tokens is less than one page "
+                               f"(page_size={self.page_size})")
 
     def read_mask(self, layer, query: torch.Tensor, budget: int) -> torch.Tensor | None:
         pages = Pages.of(layer, self.page_size)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from kvbench.attention import queries_per_chunk
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Policy, positive, protect, recent_mask, register
+from kvbench.policies.base import Demand, Policy, positive, protect, recent_mask, register
 
 
 @dataclass
@@ -60,13 +60,12 @@ class RKV(Policy):
         if not 0.0 <= self.similarity_threshold <= 1.0:
             raise KvbenchError(f"policy 'rkv' parameter 'similarity_threshold' must be in [0, 1], got "
                                f"{self.similarity_threshold}")
+        self.schedule = self.schedule.each(self.buffer)  # type: ignore[misc]
 
-    def check_budget(self, budget: int) -> None:
-        if budget <= self.window:
-            raise KvbenchError(f"rkv: budget {budget} must exceed the observation window={self.window}")
-
-    def eviction_periods(self) -> list[int]:
-        return [self.buffer]
+    def check(self, demand: Demand) -> None:
+        super().check(demand)
+        if demand.budget is not None and demand.budget <= self.window:
+            raise KvbenchError(f"rkv: budget {demand.budget} must exceed the observation window={self.window}")
 
     def observe(self, layer, query, key, scaling, phase) -> None:
         held = layer.layer_stats.get(self.state_key)

@@ -6,7 +6,7 @@ import torch
 
 from kvbench.attention import attention_probs, window_visible
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Policy, positive, protect, recent_mask, register
+from kvbench.policies.base import Demand, Policy, positive, protect, recent_mask, register
 
 
 @register
@@ -26,9 +26,10 @@ class Scissorhands(Policy):
         if self.recent < 0:
             raise KvbenchError(f"policy 'scissorhands' parameter 'recent' must be >= 0, got {self.recent}")
 
-    def check_budget(self, budget: int) -> None:
-        if budget <= self.recent:
-            raise KvbenchError(f"scissorhands: budget {budget} must exceed recent={self.recent}")
+    def check(self, demand: Demand) -> None:
+        super().check(demand)
+        if demand.budget is not None and demand.budget <= self.recent:
+            raise KvbenchError(f"scissorhands: budget {demand.budget} must exceed recent={self.recent}")
 
     def observe(self, layer, query, key, scaling, phase) -> None:
         # an entry is "unimportant" to a query when it gets less than 1/(entries the query sees) of its

@@ -6,7 +6,7 @@ import torch
 
 from kvbench.attention import attention_received
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import BatchLimit, Policy, protect, register
+from kvbench.policies.base import BatchLimit, Demand, Policy, protect, register
 
 
 @register
@@ -42,13 +42,12 @@ class SimLayerKV(Policy):
         if self.n_initial < 0:
             raise KvbenchError(f"policy 'simlayerkv' parameter 'n_initial' must be >= 0, got {self.n_initial}")
 
-    def check_budget(self, budget: int) -> None:
-        if budget <= self.n_initial:
-            raise KvbenchError(f"simlayerkv: budget {budget} leaves a lazy layer no recent token beyond "
+    def check(self, demand: Demand) -> None:
+        super().check(demand)
+        if demand.budget is not None and demand.budget <= self.n_initial:
+            raise KvbenchError(f"simlayerkv: budget {demand.budget} leaves a lazy layer no recent token beyond "
                                f"n_initial={self.n_initial}")
-
-    def check_settings(self, chunked: bool) -> None:
-        if chunked:  # a layer is judged once, by the last queries of the whole prompt
+        if demand.chunked:  # a layer is judged once, by the last queries of the whole prompt
             raise KvbenchError("policy 'simlayerkv' judges each layer by the whole prompt: use prefill mode 'full'")
 
     def batch_limits(self) -> list[BatchLimit]:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from kvbench.attention import attention_probs
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Policy, Schedule, positive, register
+from kvbench.policies.base import Demand, Policy, Schedule, positive, register
 from kvbench.reference import Reference, snapkv_kept
 
 
@@ -38,9 +38,10 @@ class SnapKV(Policy):
         if self.kernel % 2 == 0:
             raise KvbenchError(f"policy 'snapkv' parameter 'kernel' must be odd, got {self.kernel}")
 
-    def check_budget(self, budget: int) -> None:
-        if budget <= self.window:
-            raise KvbenchError(f"snapkv: budget {budget} must exceed the observation window={self.window}")
+    def check(self, demand: Demand) -> None:
+        super().check(demand)
+        if demand.budget is not None and demand.budget <= self.window:
+            raise KvbenchError(f"snapkv: budget {demand.budget} must exceed the observation window={self.window}")
 
     def observe(self, layer, query, key, scaling, phase) -> None:
         if phase != "prefill":

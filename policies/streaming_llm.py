@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Policy, protect, register
+from kvbench.policies.base import Demand, Policy, protect, register
 from kvbench.reference import Reference, streaming_llm_reference
 
 
@@ -23,9 +23,10 @@ class StreamingLLM(Policy):
         if self.sinks < 0:
             raise KvbenchError(f"policy 'streaming_llm' parameter 'sinks' must be >= 0, got {self.sinks}")
 
-    def check_budget(self, budget: int) -> None:
-        if budget <= self.sinks:
-            raise KvbenchError(f"streaming_llm: budget {budget} leaves no room beyond sinks={self.sinks}")
+    def check(self, demand: Demand) -> None:
+        super().check(demand)
+        if demand.budget is not None and demand.budget <= self.sinks:
+            raise KvbenchError(f"streaming_llm: budget {demand.budget} leaves no room beyond sinks={self.sinks}")
 
     def score(self, layer, budget: int) -> torch.Tensor:
         positions = layer.live_positions()

@@ -61,7 +61,7 @@ class LongGen(Task):
 
         prompt, reference = sample.token_ids, sample.meta["continuation"]
         scorer = Session(lm, dataclasses.replace(policy), settings, prompt_tokens=len(prompt),
-                         growth=len(reference) + 64)
+                         adds=len(reference))
         with scorer:
             scorer.prefill(prompt)
             nll = (-scorer.score(reference, chunk=1).logprobs).tolist()

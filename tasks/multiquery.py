@@ -131,8 +131,9 @@ class MultiQuery(Task):
             asker.append(ids)
             return position, answer_line(lm.tokenizer, asker.decode(limit, eos, ("\n",))[0], eos)
 
+        # each ask, the answer's pending token and the answer (an ask is under 64 tokens)
         session = Session(lm, policy, settings, prompt_tokens=len(context_ids), arrival=max(map(len, asks)) + 1,
-                          growth=len(asks) * (limit + 64))
+                          adds=len(asks) * (limit + 64))
         questions = []
         with session:
             session.prefill(context_ids)  # compressed once, before any question

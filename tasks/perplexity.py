@@ -71,7 +71,7 @@ class Perplexity(Task):
 
         ids = sample.token_ids
         step = 1 if self.mode == "exact" else self.chunk
-        session = Session(lm, policy, settings, prompt_tokens=len(ids), arrival=step, growth=max(step, 256))
+        session = Session(lm, policy, settings, prompt_tokens=len(ids), arrival=step)
         with session:  # a fresh session streams the text: the first step is the prompt, compressed once
             nll = (-session.score(ids, chunk=step).logprobs).tolist()
         # every token is read as prompt; `exact` times each one-token step as a decode step

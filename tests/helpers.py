@@ -27,7 +27,7 @@ def run_session(lm, policy, prompt, decode, budget, chunk=None, evict_every=1):
     session and the kept masks after the prompt and after each decode token."""
     settings = RunSettings(budget=budget, prefill="chunked" if chunk else "full", prefill_chunk=chunk or 512,
                            evict_every=evict_every)
-    session = Session(lm, policy, settings, prompt_tokens=len(prompt), growth=len(decode))
+    session = Session(lm, policy, settings, prompt_tokens=len(prompt), adds=len(decode))
     session.prefill(prompt)
     history = [kept_masks(session.cache)]
     for token in decode:

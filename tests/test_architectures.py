@@ -122,7 +122,7 @@ def test_sliding_layers_hold_only_their_window(shape):
     """A sliding layer never holds more than window - 1 entries between forwards, nor a buffer sized by the
     prompt; `kv_bytes_full` counts what the stock cache holds, and the record names the layer kinds."""
     lm = load_model(f"random:{shape}", dtype="float32", device="cpu")
-    session = Session(lm, build_policy("full"), RunSettings(), prompt_tokens=len(PROMPT), growth=len(DECODE))
+    session = Session(lm, build_policy("full"), RunSettings(), prompt_tokens=len(PROMPT), adds=len(DECODE))
     with session:
         session.prefill(PROMPT)
         for token in DECODE:
@@ -172,7 +172,7 @@ def test_sliding_mask_follows_positions_after_decode_evictions(shape):
     """Decode steps move the newest entry into the evicted slot, so slot order leaves position order; a chunk fed
     after them must still see, per query, the window of true positions: the logits of a stock forward."""
     lm = load_model(f"random:{shape}", dtype="float32", device="cpu")
-    session = Session(lm, build_policy("full"), RunSettings(), prompt_tokens=40, arrival=15, growth=20)
+    session = Session(lm, build_policy("full"), RunSettings(), prompt_tokens=40, arrival=15, adds=20)
     session.prefill(PROMPT[:40])
     for token in PROMPT[40:45]:
         session.step(token)

@@ -223,7 +223,7 @@ def test_one_rows_accounts_are_its_caches_own(tiny_llama, name):
     for settings in (RunSettings(budget=20), RunSettings(budget=20, evict_every=4)):
         row = prompts()[3]
         session = Session(tiny_llama, build_policy(name, params), settings, len(row.context) + len(row.question),
-                          growth=9, left_padding=torch.tensor([0]))
+                          adds=9, left_padding=torch.tensor([0]))
         assert session.cache.rows is not None
         with session:
             session.prefill(row.context + row.question)

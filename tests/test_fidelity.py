@@ -76,7 +76,7 @@ def test_kl_and_agreement_are_the_definitions(sharp_llama):
     ids = PROMPT + generation.tokens[:-1]
     with torch.no_grad():
         full = sharp_llama.model(input_ids=torch.tensor([ids])).logits[0, len(PROMPT) - 1 :].float().log_softmax(-1)
-    session = Session(sharp_llama, build_policy("window"), RunSettings(budget=24), len(PROMPT), growth=16)
+    session = Session(sharp_llama, build_policy("window"), RunSettings(budget=24), len(PROMPT), adds=16)
     policy = []
     with session:
         session.prefill(PROMPT)

@@ -129,7 +129,7 @@ def test_expected_attention_carries_its_statistics_through_a_shared_prefill_and_
     shared = shared_prefill(sharp_llama, PROMPT, [build_policy("expected_attention",
                                                                {"decode": True, "query_buffer": 8})])
     adopted = Session(sharp_llama, build_policy("expected_attention", {"decode": True, "query_buffer": 8}),
-                      settings, prompt_tokens=len(PROMPT), growth=len(DECODE))
+                      settings, prompt_tokens=len(PROMPT), adds=len(DECODE))
     adopted.prefill(PROMPT, shared=shared)
     for a, b in zip(alone.cache.layers, adopted.cache.layers, strict=True):
         assert torch.equal(a.live_positions(), b.live_positions())
@@ -269,8 +269,8 @@ def test_criticalkv_keeps_the_first_stage_then_the_output_weighted_best(sharp_ll
 
 
 def test_criticalkv_takes_its_bases_schedule_and_refuses_a_base_without_scores():
-    assert build_policy("criticalkv", {"base": "h2o"}).schedule == "decode"
-    assert build_policy("criticalkv").schedule == "prefill"
+    assert build_policy("criticalkv", {"base": "h2o"}).schedule.when == "decode"
+    assert build_policy("criticalkv").schedule.when == "prefill"
     for base in ("full", "kvzip", "ada_kv"):  # nothing to score, or a base that picks its kept set itself
         with pytest.raises(KvbenchError, match=f"base '{base}' must score entries"):
             build_policy("criticalkv", {"base": base})

@@ -209,12 +209,12 @@ def test_rkv_batch_rows_keep_what_they_keep_alone(sharp_llama, chunk):
     long = random_ids(100, seed=5)
     short, budget, tokens = long[32:], 30, DECODE[:6]  # padded by a whole chunk: the rows' chunks are their own
     settings = RunSettings(budget=budget, prefill="chunked" if chunk else "full", prefill_chunk=chunk or 512)
-    batched = Session(sharp_llama, build_policy("rkv", RKV), settings, [68, 100], growth=6,
+    batched = Session(sharp_llama, build_policy("rkv", RKV), settings, [68, 100], adds=6,
                       left_padding=torch.tensor([32, 0]))
     batched.prefill(torch.tensor([[0] * 32 + short, long]))
     alone = []
     for prompt in (short, long):
-        session = Session(sharp_llama, build_policy("rkv", RKV), settings, len(prompt), growth=6)
+        session = Session(sharp_llama, build_policy("rkv", RKV), settings, len(prompt), adds=6)
         session.prefill(prompt)
         alone.append(session)
     for step in range(len(tokens) + 1):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvbench.cache import CacheSettings, KVCache
-from kvbench.policies import build_policy
+from kvbench.policies import Demand, build_policy
 from kvbench.session import RunSettings, generate
 from tests.conftest import random_ids
 from tests.helpers import run_cache
@@ -57,7 +57,7 @@ def test_merge_needs_room_beyond_its_recent_window():
     from kvbench.errors import KvbenchError
 
     with pytest.raises(KvbenchError, match="must exceed recent"):
-        build_policy("merge", {"recent": 32}).check_budget(36)
+        build_policy("merge", {"recent": 32}).check(Demand(budget=36))
 
 
 def test_sinks_stay_unmerged():

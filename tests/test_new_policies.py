@@ -13,7 +13,7 @@ import kvbench.policies.chunkkv
 import kvbench.policies.keydiff
 import kvbench.policies.lagkv  # noqa: F401  (registers the three)
 from kvbench.errors import KvbenchError
-from kvbench.policies import build_policy
+from kvbench.policies import Demand, build_policy
 from kvbench.reference import key_norms, simulate, snapkv_reference, stock_forward
 from kvbench.tolerance import sum_roundings
 from tests.conftest import random_ids
@@ -242,7 +242,7 @@ def test_chunkkv_whole_chunks_is_kvpress_chunkkv(sharp_llama, chunk):
 
 def test_chunkkv_takes_its_bases_schedule(sharp_llama):
     policy = build_policy("chunkkv", {"base": {"name": "knorm", "decode": True}, "chunk": 4})
-    assert policy.schedule == "decode" and build_policy("chunkkv").schedule == "prefill"
+    assert policy.schedule.when == "decode" and build_policy("chunkkv").schedule.when == "prefill"
     assert build_policy("chunkkv").describe() == {"name": "chunkkv", "base": "snapkv", "chunk": 10,
                                                   "whole_chunks": False}
     _, history = run_cache(sharp_llama, policy, PROMPT, DECODE, BUDGET)
@@ -313,4 +313,4 @@ def test_chunkkv_breaks_ties_toward_later_chunks_and_keeps_a_cut_chunks_first_en
 ])
 def test_bad_parameters_are_named(name, params, budget, message):
     with pytest.raises(KvbenchError, match=message):
-        build_policy(name, params).check_budget(budget)
+        build_policy(name, params).check(Demand(budget=budget))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvbench.errors import KvbenchError
-from kvbench.policies import build_policy
+from kvbench.policies import Demand, build_policy
 from kvbench.reference import (
     h2o_reference,
     key_norms,
@@ -101,7 +101,7 @@ def test_random_keeps_budget_entries_and_is_seeded(sharp_llama):
 ])
 def test_bad_policy_parameters_are_named(name, params, budget, message):
     with pytest.raises(KvbenchError, match=message):
-        build_policy(name, params).check_budget(budget)
+        build_policy(name, params).check(Demand(budget=budget))
 
 
 @pytest.mark.parametrize("per_head", [False, True])
@@ -175,7 +175,7 @@ def test_pyramidkv_layer_budgets_fall_with_depth_by_a_whole_step(budget, layers,
     # the official step is floored: the total reaches layers x budget and overshoots by less than a step per layer
     assert 0 <= sum(budgets) - layers * budget < layers * (layers - 1) / 2
     with pytest.raises(KvbenchError, match="window \\+ beta"):
-        policy.check_budget(20)
+        policy.check(Demand(budget=20))
 
 
 def test_pyramidkv_keeps_each_layers_snapkv_top_set(sharp_llama):

@@ -10,7 +10,7 @@ import torch
 
 from kvbench.errors import KvbenchError
 from kvbench.models import load_model
-from kvbench.policies import build_policy
+from kvbench.policies import Demand, build_policy
 from kvbench.session import RunSettings, Session, generate
 from kvbench.tolerance import sum_roundings
 from tests.conftest import random_ids
@@ -76,7 +76,7 @@ def traced_run(lm, policy, budget: int):
     hooks = [layer.self_attn.o_proj.register_forward_pre_hook(lambda _, args: outputs.append(args[0][0, -1].clone()))
              for layer in lm.model.model.layers]
     try:
-        session = Session(lm, policy, RunSettings(budget=budget), prompt_tokens=PROMPT, growth=STEPS)
+        session = Session(lm, policy, RunSettings(budget=budget), prompt_tokens=PROMPT, adds=STEPS)
         session.prefill(random_ids(PROMPT, seed=7))
         outputs.clear()  # the prompt's forward reads every slot
         token = int(session.logits.argmax())
@@ -178,7 +178,7 @@ def test_chunked_prefill_reads_the_prompt_densely(sharp_llama):
 
 def test_refusals_are_one_line():
     with pytest.raises(KvbenchError, match="less than one page"):
-        quest().check_budget(PAGE - 1)
+        quest().check(Demand(budget=PAGE - 1))
     with pytest.raises(KvbenchError, match="takes no storage|keeps every entry"):
         build_policy("quest", {"storage": "quant"})
     lm = load_model("random:tiny-mistral-sliding", dtype="float32", device="cpu")

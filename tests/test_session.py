@@ -81,7 +81,7 @@ def test_streamed_text_is_a_prompt_then_a_continuation(sharp_llama, policy, boun
 def test_a_fork_shares_nothing_mutable(sharp_llama):
     question_a, question_b = random_ids(6, seed=13), random_ids(6, seed=14)
     session = Session(sharp_llama, build_policy("h2o"), RunSettings(budget=48), prompt_tokens=len(CONTEXT),
-                      arrival=6, growth=16)
+                      arrival=6, adds=16)
     with session:
         session.prefill(CONTEXT)
     before = [(layer.live_keys().clone(), layer.live_positions().clone()) for layer in session.cache.layers]
@@ -95,7 +95,7 @@ def test_a_fork_shares_nothing_mutable(sharp_llama):
         assert torch.equal(layer.live_keys(), keys) and torch.equal(layer.live_positions(), positions)
     # a fork answers as a session built from scratch does
     alone = Session(sharp_llama, build_policy("h2o"), RunSettings(budget=48), prompt_tokens=len(CONTEXT),
-                    arrival=6, growth=16)
+                    arrival=6, adds=16)
     with alone:
         alone.prefill(CONTEXT)
         alone.append(question_a)
@@ -120,7 +120,7 @@ def test_a_generated_token_is_fed_with_what_comes_next(tiny_llama):
 
 def test_the_phase_is_the_sessions(tiny_llama):
     session = Session(tiny_llama, build_policy("snapkv", {"window": 8}), RunSettings(budget=40),
-                      prompt_tokens=len(CONTEXT), growth=16)
+                      prompt_tokens=len(CONTEXT), adds=16)
     assert session.cache.phase is Phase.PREFILL
     with session:
         session.prefill(CONTEXT)
@@ -171,7 +171,7 @@ def test_the_documented_policy_keeps_what_it_says(tiny_llama):
     prompt, decode = random_ids(80, seed=3), random_ids(6, seed=4)
     kept = []
     for name in ("oldest_first", "window"):
-        session = Session(tiny_llama, build_policy(name), RunSettings(budget=24), prompt_tokens=len(prompt), growth=8)
+        session = Session(tiny_llama, build_policy(name), RunSettings(budget=24), prompt_tokens=len(prompt), adds=8)
         session.prefill(prompt)
         for token in decode:
             session.step(token)

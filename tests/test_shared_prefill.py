@@ -29,8 +29,8 @@ def snapshot(cache) -> list[torch.Tensor]:
     return [buffer[:, :, : layer.length].clone() for layer in cache.layers for buffer in layer._buffers()]
 
 
-def session(lm, policy, budget=BUDGET, growth=4) -> Session:
-    return Session(lm, policy, RunSettings(budget=budget), prompt_tokens=len(PROMPT), growth=growth)
+def session(lm, policy, budget=BUDGET, adds=4) -> Session:
+    return Session(lm, policy, RunSettings(budget=budget), prompt_tokens=len(PROMPT), adds=adds)
 
 
 @pytest.mark.parametrize(("name", "params"), POLICY_SPECS,

@@ -72,9 +72,9 @@ def reference_channels(window_queries: torch.Tensor, key: torch.Tensor, ratio: f
     return channels
 
 
-def think_session(lm, spec: dict, prompt: list[int], budget: int | None = None, growth: int = 8) -> Session:
+def think_session(lm, spec: dict, prompt: list[int], budget: int | None = None, adds: int = 8) -> Session:
     session = Session(lm, build_policy(spec.pop("name"), spec), RunSettings(budget=budget), prompt_tokens=len(prompt),
-                      growth=growth)
+                      adds=adds)
     session.prefill(prompt)
     return session
 
@@ -108,7 +108,7 @@ def test_attention_equals_a_stock_cache_with_the_pruned_channels_zeroed(tiny_lla
     key channels are zeroed, except the newest `recent` tokens' (as they age out of the ring, theirs too)."""
     lm, prompt, steps = tiny_llama, random_ids(120, seed=12), random_ids(12, seed=13)
     session = think_session(lm, {"name": "think", "ratio": 0.5, "window": WINDOW, "recent": recent}, prompt,
-                            growth=len(steps))
+                            adds=len(steps))
     channels = stored_channels(session)
     cache = DynamicCache()
     with torch.inference_mode():
@@ -133,7 +133,7 @@ def test_bytes_fall_by_the_pruned_channels(tiny_llama):
     each head's channel indices: the live bytes are that count, and the tensors hold it."""
     lm, tokens, recent = tiny_llama, 200, 8
     session = think_session(lm, {"name": "think", "ratio": 0.5, "recent": recent}, random_ids(tokens, seed=14),
-                            growth=1)
+                            adds=1)
     stats, dim, fp32 = session.cache.stats(), lm.head_dim, 4
     kept, heads = dim // 2, lm.kv_heads * lm.num_layers
     per_head = (tokens - recent) * (kept + dim) * fp32 + recent * 2 * dim * fp32 + kept * 8  # int64 indices

@@ -11,17 +11,17 @@ import pytest
 import torch
 
 from kvbench.cache import Phase
-from kvbench.policies import POLICIES, Policy, build_policy
+from kvbench.errors import KvbenchError
+from kvbench.policies import POLICIES, Demand, Policy, build_policy
 from kvbench.policies.base import Schedule, Wrapper, hooks
 from tests.conftest import random_ids
 from tests.helpers import run_session
 
 # Policy's public members that are not hooks: what a policy *is* (name, parameters, storage, statistic names),
 # not what the cache asks of it while running. A new member must be added here or be a @hook.
-NOT_HOOKS = {"describe", "evicts_during_decode", "phases", "kind", "layout", "params", "state_key",
-             "check_threshold", "reference"}
-ANSWERS = {"report": {}, "observers": [], "state_keys": [], "layer_budgets": [1], "active": True, "batch_limits": [],
-           "bounded": True, "eviction_periods": []}
+NOT_HOOKS = {"describe", "evicts_during_decode", "phases", "kind", "layout", "params", "state_key", "check",
+             "check_budget", "check_settings", "check_threshold", "reference"}
+ANSWERS = {"report": {}, "observers": [], "state_keys": [], "layer_budgets": [1], "batch_limits": [], "bounded": True}
 
 
 def public_members(cls: type) -> set[str]:
@@ -31,7 +31,7 @@ def public_members(cls: type) -> set[str]:
 
 def test_every_public_member_of_policy_is_a_hook_or_declared_not_one():
     assert public_members(Policy) - set(hooks()) == NOT_HOOKS
-    assert {"score", "select", "fold", "layer_budgets", "active", "observe", "report"} <= set(hooks())
+    assert {"score", "select", "fold", "layer_budgets", "bounded", "observe", "report"} <= set(hooks())
 
 
 WRAPPERS = sorted(name for name in POLICIES.names() if issubclass(POLICIES.get(name), Wrapper))
@@ -65,10 +65,9 @@ def call_hook(policy: Policy, name: str, cache) -> None:
     layer = SimpleNamespace(owner=cache)
     arguments = {"observe": (layer, None, None, 1.0, cache.phase), "score": (layer, 8), "select": (layer, 8),
                  "threshold_score": (layer,), "fold": (layer, None), "read_mask": (layer, None, 8),
-                 "layer_budgets": (8, 2), "active": (cache,), "report": (), "check_settings": (False,),
-                 "check_budget": (8,), "observers": (), "state_keys": (), "batch_limits": (),
+                 "layer_budgets": (8, 2), "report": (), "observers": (), "state_keys": (), "batch_limits": (),
                  "after_prompt": (SimpleNamespace(cache=cache), None), "prepare": (None,),
-                 "bounded": (layer,), "eviction_periods": ()}
+                 "bounded": (layer,)}
     getattr(policy, name)(*arguments[name])
 
 
@@ -153,3 +152,51 @@ def test_a_plugin_declaring_phases_gets_that_schedule_and_a_deprecation_warning(
         plugin = dataclasses.dataclass(type("Plugin", (Policy,), {"name": "plugin_with_phases", "phases": phases}))
     assert plugin.schedule is schedule and plugin().phases == phases
     assert plugin().evicts_during_decode == (schedule is Schedule.DECODE)
+
+
+def _plugin(members: dict) -> type[Policy]:
+    with pytest.warns(DeprecationWarning, match="is deprecated and goes in the next release"):
+        return dataclasses.dataclass(type("Plugin", (Policy,), {"name": "old_plugin", **members}))
+
+
+def test_a_plugin_validating_in_the_former_hooks_is_checked_by_check():
+    def check_budget(self, budget):
+        super(plugin, self).check_budget(budget)
+        if budget < 10:
+            raise KvbenchError(f"old_plugin: budget {budget} under 10")
+
+    def check_settings(self, chunked):
+        if chunked:
+            raise KvbenchError("old_plugin: no chunks")
+    plugin = _plugin({"check_budget": check_budget, "check_settings": check_settings})
+    plugin().check(Demand(budget=10))
+    for demand, message in ((Demand(budget=9), "under 10"), (Demand(budget=0), "at least 1"),
+                            (Demand(chunked=True), "no chunks"), (Demand(budget=12, threshold=True), "no threshold")):
+        with pytest.raises(KvbenchError, match=message):
+            plugin().check(demand)
+
+
+def test_the_former_validation_methods_still_check_a_current_policy():
+    with pytest.raises(KvbenchError, match="must exceed the observation window"):
+        build_policy("snapkv").check_budget(8)
+    with pytest.raises(KvbenchError, match="prefill mode 'full'"):
+        build_policy("kvzip").check_settings(chunked=True)
+    with pytest.raises(KvbenchError, match="takes no threshold budget"):
+        build_policy("streaming_llm").check_threshold()
+
+
+def test_a_plugin_declaring_active_or_eviction_periods_gets_bounded_and_its_schedule():
+    plugin = _plugin({"active": lambda self, cache: cache.waiting is False,
+                      "eviction_periods": lambda self: [16, 64]})
+    assert plugin().schedule == Schedule.DECODE.each(64)
+    layer = SimpleNamespace(owner=SimpleNamespace(waiting=True))
+    assert plugin().bounded(layer) is False
+    layer.owner.waiting = False
+    assert plugin().bounded(layer) is True
+
+
+def test_a_wrapper_evicts_as_often_as_its_most_patient_stage():
+    assert build_policy("hybrid", {"decode": {"name": "rkv", "buffer": 32}}).schedule == Schedule.DECODE.each(32)
+    assert build_policy("adaptive", {"fallback": {"name": "rkv", "buffer": 48}}).schedule.every == 48
+    assert build_policy("criticalkv", {"base": "rkv"}).schedule.every == 128
+    assert build_policy("hybrid").schedule == Schedule.DECODE

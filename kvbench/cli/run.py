@@ -122,14 +122,13 @@ def _checked_runs(cells: list[Cell]) -> dict[str, tuple[Policy, RunSettings]]:
     """Each cell's policy and settings, by cell id; a token budget or a threshold a policy cannot take stops here,
     before the model loads (a ratio is checked against each prompt)."""
     from kvbench.budgets import Threshold
+    from kvbench.policies.base import Demand
 
     runs: dict[str, tuple[Policy, RunSettings]] = {}
     for cell in cells:
         pol, setting = cell.policy(), cell.settings()
-        if isinstance(setting.budget, int):
-            pol.check_budget(setting.budget)
-        if isinstance(setting.budget, Threshold):
-            pol.check_threshold()
+        pol.check(Demand(setting.budget if isinstance(setting.budget, int) else None,
+                         isinstance(setting.budget, Threshold), setting.prefill == "chunked"))
         runs[cell.id] = pol, setting
     return runs
 

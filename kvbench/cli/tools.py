@@ -173,7 +173,7 @@ def policies(plugins: str | None = PLUGINS, as_json: bool = json_flag(LISTING_JS
     entries = []
     for name in POLICIES.names():
         cls = POLICIES.get(name)
-        entries.append({"name": name, "family": cls.family, "schedule": cls.schedule.value,
+        entries.append({"name": name, "family": cls.family, "schedule": cls.schedule.when,
                         "needs_attention": cls.needs_attention,
                         "parameters": {k: v for k, v in cls.params().items() if k != "storage"},
                         "description": first_line(cls)})
