@@ -84,11 +84,16 @@ class KVzip(Policy):
         # the repetition's queries see the sinks, their chunk and themselves (the newest slots, causally)
         seen = torch.cat([sinks, context, torch.arange(layer.length - own, layer.length, device=key.device)])
         best = torch.zeros(key.shape[:2] + (len(context),), device=key.device)
-        for _, probs in attention_probs(query, key[:, :, seen], scaling, kind=layer.kind,
-                                        positions=layer.live_positions()[:, :, seen]):
-            chunk_best = probs[..., len(sinks) : len(sinks) + len(context)].amax(dim=(2, 3))
-            torch.maximum(best, chunk_best, out=best)
+        for start, probs in attention_probs(query, key[:, :, seen], scaling, kind=layer.kind,
+                                            positions=layer.live_positions()[:, :, seen]):
+            weights = self.weigh(layer, probs[..., len(sinks) : len(sinks) + len(context)], start, context)
+            torch.maximum(best, weights.amax(dim=(2, 3)), out=best)
         layer.slot_stat(self.state_key)[:, :, context] = best
+
+    def weigh(self, layer, probs: torch.Tensor, start: int, context: torch.Tensor) -> torch.Tensor:
+        """The score each reconstruction query `start`... gives each `context` slot, from its attention weights
+        `probs` `[B, kv_heads, group, queries, context]`: KVzip scores by the weights themselves."""
+        return probs
 
     def score(self, layer, budget: int) -> torch.Tensor:
         return protect(layer.slot_stat(self.state_key), layer.live_positions() < self.n_sink)
@@ -109,6 +114,54 @@ class KVzip(Policy):
         owner = torch.cat([torch.full_like(s, i, dtype=torch.long) for i, s in enumerate(scores)])
         best = torch.cat(scores).topk(min(total, len(owner))).indices
         self._keep = torch.bincount(owner[best], minlength=len(scores)).tolist()
+
+
+@register
+@dataclass
+class KVzipPlus(KVzip):
+    """KVzip+ (kvpress's `kvzip_plus`, the targets KVzap learns): KVzip with each reconstruction query's attention
+    weight divided by the norm of that query's hidden state (the attention's input) and multiplied by the norm of
+    what the entry writes into the residual stream through the query head's output projection, ||W_o^h v||,
+    before the maximum over the repetition and the KV head's query heads. Everything else is KVzip's.
+    """
+
+    name = "kvzip_plus"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._hidden_norms: dict[int, torch.Tensor] = {}  # per layer, the reconstruction's `[B, queries]`
+        self._output_grams: dict[int, torch.Tensor] = {}
+
+    def after_prompt(self, session, prompt: torch.Tensor) -> None:
+        modules = [layer.self_attn for layer in session.lm.model.model.layers]
+        handles = [module.register_forward_pre_hook(self._record_hidden_norm(index), with_kwargs=True)
+                   for index, module in enumerate(modules)]
+        try:
+            super().after_prompt(session, prompt)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _record_hidden_norm(self, layer_idx: int):
+        def record(module, args, kwargs) -> None:
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            self._hidden_norms[layer_idx] = hidden.float().norm(dim=-1)  # [B, queries]
+        return record
+
+    def weigh(self, layer, probs: torch.Tensor, start: int, context: torch.Tensor) -> torch.Tensor:
+        hidden_norms = self._hidden_norms[layer.layer_idx][:, start : start + probs.shape[3]]
+        values = layer.live_values()[:, :, context].float()  # [B, kv_heads, context, D]
+        # ||W_o^h v||^2 = v^T (W_o^h^T W_o^h) v: a head_dim x head_dim Gram per query head, not a hidden-wide product
+        grams = self._output_gram(layer, values.shape[1])  # [kv_heads, group, D, D]
+        written = torch.einsum("bktd,kgde,bkte->bkgt", values, grams, values).clamp_min(0).sqrt()
+        return probs / hidden_norms[:, None, None, :, None] * written[:, :, :, None, :]
+
+    def _output_gram(self, layer, kv_heads: int) -> torch.Tensor:
+        if layer.layer_idx not in self._output_grams:
+            weight = layer.owner.model.output_projection(layer.layer_idx).float()  # [hidden, heads * D]
+            per_head = weight.view(weight.shape[0], kv_heads, -1, layer.owner.batch_heads_dim[2])
+            self._output_grams[layer.layer_idx] = torch.einsum("okgd,okge->kgde", per_head, per_head)
+        return self._output_grams[layer.layer_idx]
 
 
 def _encoder(tokenizer):

@@ -39,6 +39,7 @@ class QueryTap:
 
     def __init__(self, lm) -> None:
         self.queries = {layer: [] for layer in range(lm.num_layers)}
+        self.hidden_norms = {layer: [] for layer in range(lm.num_layers)}  # the attention input's, per position
         self.lm = lm
         self.handles = [layer.self_attn.register_forward_hook(self._tap(i), with_kwargs=True)
                         for i, layer in enumerate(lm.model.model.layers)]
@@ -48,6 +49,7 @@ class QueryTap:
             hidden = kwargs["hidden_states"][0]
             q = module.q_proj(hidden).view(hidden.shape[0], -1, self.lm.head_dim).transpose(0, 1)
             self.queries[index].append(q.double())
+            self.hidden_norms[index].append(hidden.double().norm(dim=-1))
         return hook
 
     def all(self, layer: int) -> torch.Tensor:
@@ -150,11 +152,13 @@ def rope(lm, x: torch.Tensor, start: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def kvzip_reference(lm, prompt: list[int], budget: int, chunk: int, sink: int, layerwise: bool) -> list[torch.Tensor]:
+def kvzip_reference(lm, prompt: list[int], budget: int, chunk: int, sink: int, layerwise: bool,
+                    plus: bool = False) -> list[torch.Tensor]:
     """Per layer, the `[kv_heads, n]` kept mask: each prompt entry's score is the highest attention a query of its
     chunk's repetition ("Repeat the previous context exactly." + newline + the chunk; later chunks "...starting
     with" and the previous chunk's last 8 tokens) gives it, those queries seeing the sinks, the chunk and
-    themselves; the best layers x heads x budget of all (or heads x budget of each layer) are kept."""
+    themselves; the best layers x heads x budget of all (or heads x budget of each layer) are kept. `plus`
+    (KVzip+): each weight divided by the query's hidden-state norm, times ||o_proj(v in the query head's slot)||."""
     n, kv_heads = len(prompt), lm.kv_heads
     encode = lambda text: lm.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     cache = DynamicCache()
@@ -186,7 +190,13 @@ def kvzip_reference(lm, prompt: list[int], budget: int, chunk: int, sink: int, l
                 causal[:, -own:] = torch.ones(own, own, dtype=torch.bool).tril()
                 probs = logits.masked_fill(~causal, float("-inf")).softmax(-1)
                 first = min(sink, start)
-                best = probs[:, first : first + len(piece)].amax(dim=0)
+                probs = probs[:, first : first + len(piece)]
+                if plus:
+                    values = probe.layers[layer].values[0, g, start : start + len(piece)].double()
+                    o_proj = lm.model.model.layers[layer].self_attn.o_proj.weight.double()
+                    written = (values @ o_proj[:, h * lm.head_dim : (h + 1) * lm.head_dim].T).norm(dim=-1)
+                    probs = probs / tap.hidden_norms[layer][0][:, None] * written[None]
+                best = probs.amax(dim=0)
                 scores[layer][g, start : start + len(piece)] = torch.maximum(
                     scores[layer][g, start : start + len(piece)], best)
     for s in scores:
