@@ -312,3 +312,17 @@ def streaming_llm_reference(lm, prompt: list[int], decode: list[int], budget: in
         history.append([top(rank.masked_fill(~visible(lm, layer, seen), float("-inf"))[None].expand(lm.kv_heads, seen),
                             held(lm, layer, seen, budget)) for layer in range(lm.num_layers)])
     return history, None
+
+
+@torch.no_grad()
+def qfilter_kept(lm, prompt: list[int], budget: int, filters: torch.Tensor) -> Reference:
+    """Q-Filters' kept sets: per layer and KV head, the keys with the highest -<filter, key> (kvpress's score), one
+    key at a time against its head's filter `filters` `[layers, kv_heads, head_dim]`."""
+    cache = DynamicCache()
+    stock_forward(lm, cache, prompt, 0)
+    scores = []
+    for layer in range(lm.num_layers):
+        keys = cast(Any, cache.layers[layer]).keys[0].float().cpu()  # [kv_heads, n, D]
+        scores.append(torch.tensor([[-float(filters[layer, head] @ keys[head, position]) for position in
+                                     range(len(prompt))] for head in range(lm.kv_heads)]))
+    return prompt_kept(lm, scores, budget)

@@ -12,9 +12,11 @@ from kvbench.session import RunSettings, Session
 from kvbench.tolerance import forward_roundings, magnitude, relative_tolerance
 
 # what a policy needs on the tests' random models and has no default for: duoattention's head pattern (random:tiny-llama
-# and tiny-qwen2: 2 layers x 2 KV heads) and sinks that fit the tests' budgets
+# and tiny-qwen2: 2 layers x 2 KV heads) and sinks that fit the tests' budgets; qfilter's filters, of the same shape
+# (`kvbench calibrate -m random:tiny-llama --method qfilter --documents 2 --tokens 128 -o DIR`)
 NEEDED_PARAMS: dict[str, dict[str, Any]] = {
-    "duoattention": {"pattern": str(Path(__file__).with_name("data") / "tiny-llama-pattern.tsv"), "sinks": 4}}
+    "duoattention": {"pattern": str(Path(__file__).with_name("data") / "tiny-llama-pattern.tsv"), "sinks": 4},
+    "qfilter": {"filters": str(Path(__file__).with_name("data") / "tiny-llama-qfilter")}}
 
 
 def tiny_policy(name: str, params: dict[str, Any] | None = None):

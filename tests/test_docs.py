@@ -117,7 +117,8 @@ def test_the_docs_show_at_least_one_config():
 RUN_HERE = {"policies", "tasks", "--version", "validate", "estimate"}
 NOT_RUN = {
     "a run folder a sweep made": {"report", "recommend", "plot", "summarize", "gate", "baseline", "merge"},
-    "a real model (or a GPU, the hub, Ray) for minutes or more": {"run", "sweep", "check", "capacity", "lm-eval"},
+    "a real model (or a GPU, the hub, Ray) for minutes or more": {"run", "sweep", "check", "capacity", "lm-eval",
+                                                                  "calibrate"},
 }
 
 

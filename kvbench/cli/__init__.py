@@ -1,7 +1,7 @@
 """The `kvbench` command line: one module per group of commands, all on one Typer app."""
 
 # each module registers its commands; the import order is the order `kvbench --help` lists them
-from kvbench.cli import run, sweep, analyze, tools, check  # noqa: F401, I001
+from kvbench.cli import run, sweep, analyze, tools, check, calibrate  # noqa: F401, I001
 from kvbench.cli.app import app
 
 __all__ = ["app"]

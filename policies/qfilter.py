@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvbench.errors import KvbenchError
+from kvbench.policies.base import PromptScorer, register
+from kvbench.reference import Reference, qfilter_kept
+
+
+@register
+@dataclass
+class QFilter(PromptScorer):
+    """Q-Filters (Godey et al. 2025): keep the entries whose keys project most along the direction the layer's
+    queries point to, one calibrated filter per layer and KV head (`kvbench calibrate --method qfilter`). A key's
+    score is -<filter, key> as kvpress's QFilterPress scores it (the filter is saved negated); needs no attention.
+    `filters`: a folder in kvpress's QFilters format; default the model's own calibration in `$KVBENCH_CACHE/qfilter/`.
+    """
+
+    name = "qfilter"
+    filters: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._filters: torch.Tensor | None = None  # [layers, kv_heads, head_dim]
+
+    def prepare(self, lm) -> None:
+        self._filters = self.load(lm)
+
+    def load(self, lm) -> torch.Tensor:
+        """The filters for `lm`, checked against its shape; a missing artifact names the command that makes it."""
+        from kvbench.calibrate import calibrate_command, default_folder, load_qfilters  # it imports the policies
+
+        folder = default_folder(lm, "qfilter") if self.filters is None else Path(self.filters).expanduser()
+        if not folder.is_dir():
+            command = calibrate_command(lm, "qfilter") + ("" if self.filters is None else f" -o {self.filters}")
+            raise KvbenchError(f"policy 'qfilter': no Q-Filters in {folder}: make them with `{command}`")
+        filters = load_qfilters(folder)
+        expected = (lm.num_layers, lm.kv_heads, lm.head_dim)
+        if tuple(filters.shape) != expected:
+            raise KvbenchError(f"policy 'qfilter': the Q-Filters in {folder} are {tuple(filters.shape)} (layers, KV "
+                               f"heads, head_dim); {lm.spec} needs {expected}")
+        return filters.to(lm.device)
+
+    def score(self, layer, budget: int) -> torch.Tensor:
+        if self._filters is None:
+            raise KvbenchError("policy 'qfilter' reads its filters when a session is made (prepare)")
+        direction = self._filters[layer.layer_idx]  # [kv_heads, D]
+        return -torch.einsum("bhnd,hd->bhn", layer.live_keys().float(), direction)
+
+    def reference(self, lm, prompt, decode, budget) -> Reference:
+        return qfilter_kept(lm, prompt, budget, self.load(lm).cpu())
