@@ -95,12 +95,32 @@ COLUMNS = [
     Column("attn_recall", "fraction", "fidelity", "mean_ci", axis="attention recall (full's mass kept)",
            shown={"html": Display("attention recall", ".3g", 100, "%")}),
     Column("first_divergence", "tokens", "fidelity", "mean_ci"),
+    # where a task names units in its prompt (few-shot examples, a system prompt's rules): the shares of them eviction
+    # split (kept in part, in some layer and KV head) and dropped whole
+    Column("segments_split", "fraction", "generation", "mean_ci", better="lower",
+           shown={"markdown": Display("split", ".2f", when_above=0), "html": Display("segments split", ".0%"),
+                  "reason": Display("of the prompt's units (examples, rules) split", ".0%")}),
+    Column("segments_dropped", "fraction", "generation", "mean_ci", better="lower",
+           shown={"reason": Display("of the prompt's units dropped whole", ".0%")}),
+    # the instructions task: the share of its system prompt a request to repeat it gets back
+    Column("leak", "fraction", "tasks", "mean_ci", better="lower",
+           shown={"markdown": Display("leak", ".2f", when_above=0), "html": Display("system prompt leaked", ".0%"),
+                  "reason": Display("of the system prompt repeated when asked", ".0%")}),
     Column("budget_tokens", "tokens", "session", "mean"),
     # the most samples it decoded together: its times and tokens/s are that batch's (records before batching: one)
     Column("batch_size", "sequences", "session", "max", missing=1,
            shown={"markdown": Display("batch", ".0f", when_above=1), "html": Display("batch", ".0f", when_above=1)}),
     # from pairs of cells: generated tokens over full's on the same samples, the score's paired change
-    Column("length_ratio", "ratio", "summary", "paired", shown={"html": Display("length ratio", ".3g", suffix="×")}),
+    Column("length_ratio", "ratio", "summary", "paired", shown={"markdown": Display("length ×", ".2f", when_above=0),
+                                                                "html": Display("length ratio", ".3g", suffix="×")}),
+    # the tails a mean length ratio hides: the shares of samples whose answer ran >= 1.5x or <= 0.67x full's (shown
+    # where some cell has one)
+    Column("length_longer", "fraction", "summary", "paired", better="lower",
+           shown={"markdown": Display("≥1.5× len", ".2f", when_above=0), "html": Display("≥1.5× longer", ".0%"),
+                  "reason": Display("of the answers at least 1.5× as long as full's", ".0%")}),
+    Column("length_shorter", "fraction", "summary", "paired", better="lower",
+           shown={"markdown": Display("≤0.67× len", ".2f", when_above=0), "html": Display("≤0.67× shorter", ".0%"),
+                  "reason": Display("of the answers at most 0.67× as long as full's", ".0%")}),
     Column("delta_vs_full", "task's unit", "summary", "paired", better="higher",
            shown={"latex": Display(r"$\Delta$ vs full", ".2f")}),
     Column("generated_tokens", "tokens", "measurements"),  # the summary pairs it into length_ratio
@@ -125,6 +145,9 @@ COLUMNS = [
     Column("kl_by_position", "nats per step", "fidelity"),
     Column("attn_recall_by_layer", "fraction per layer", "fidelity"),
     Column("nll_by_position", "nats per token", "tasks"),
+    # what the cache kept of each unit a task names in its prompt (kvbench/segments.py): shares of (layer, KV head)
+    Column("segments", "per segment", "generation"),
+    Column("leak_answer", "text", "tasks"),  # the instructions task's reply to a request to repeat its rules
     # what the record is of: the cell and the sample (the summary reads them from the cell description)
     *(Column(name, "text", "runner") for name in (
         "cell_id", "cell", "model", "dtype", "task", "policy", "family", "budget", "context_length", "prefill",
@@ -134,12 +157,16 @@ COLUMNS = [
 BY_NAME = {column.name: column for column in COLUMNS}
 # which columns each rendered table shows, in its order (a column's `shown` says how it reads there)
 VIEWS = {
-    "markdown": ("cache_ratio", "read_ratio", "kv_bytes_peak", "ttft_s", "tpot_s", "batch_size"),
+    "markdown": ("cache_ratio", "read_ratio", "kv_bytes_peak", "ttft_s", "tpot_s", "batch_size", "length_ratio",
+                 "length_longer", "length_shorter", "segments_split", "leak"),
     "terminal": ("cache_ratio", "read_ratio", "kv_bytes_peak", "kv_bytes_live", "ttft_s", "tpot_s"),
     "sweep": ("cache_ratio", "read_ratio", "kv_bytes_peak"),
     "html": ("cache_ratio", "kv_bytes_peak", "ttft_s", "tpot_s", "batch_size", "kl_mean", "top1_agreement",
-             "attn_recall", "length_ratio"),
+             "attn_recall", "length_ratio", "length_longer", "length_shorter", "segments_split", "leak"),
     "latex": ("score", "delta_vs_full", "cache_ratio", "kv_bytes_peak", "ttft_s", "tpot_s"),
+    # what a recommendation's reasoning names where the chosen cell holds more than full (each is lower-is-better;
+    # kvbench/recommend.py)
+    "reason": ("segments_split", "segments_dropped", "leak", "length_longer", "length_shorter"),
 }
 
 

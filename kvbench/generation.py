@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from kvbench.segments import Segment, segment_measurements
+
 if TYPE_CHECKING:
     from kvbench.fidelity import Follower
     from kvbench.models import LoadedModel
@@ -33,19 +35,22 @@ class Generation:
 @dataclass(frozen=True)
 class Prompt:
     """One row of a batch: its context and question token ids (the question appended after compression with
-    `question: agnostic`), and how its answer ends."""
+    `question: agnostic`), how its answer ends, and the units a task names in it (a prompt with segments runs
+    alone: its record says what the cache kept of each, `segment_measurements`)."""
 
     context: list[int]
     question: list[int]
     max_new_tokens: int
     stop: tuple[str, ...] = ()
+    segments: tuple[Segment, ...] = ()
 
 
 def generate(lm: LoadedModel, policy: Policy, context_ids: list[int], question_ids: list[int],
              settings: RunSettings, max_new_tokens: int, stop: tuple[str, ...] = (),
-             eos_token_ids: set[int] | None = None, shared: SharedPrefill | None = None) -> Generation:
+             eos_token_ids: set[int] | None = None, shared: SharedPrefill | None = None,
+             segments: tuple[Segment, ...] = ()) -> Generation:
     """Prefill (or adopt `shared`, a prefill of the same prompt in `full` mode), compress, decode greedily."""
-    return generate_rows(lm, policy, [Prompt(context_ids, question_ids, max_new_tokens, stop)], settings,
+    return generate_rows(lm, policy, [Prompt(context_ids, question_ids, max_new_tokens, stop, segments)], settings,
                          eos_token_ids, shared)[0]
 
 
@@ -63,6 +68,8 @@ def generate_rows(lm: LoadedModel, policy: Policy, prompts: list[Prompt], settin
     single = len(prompts) == 1
     if agnostic and len({len(p.question) for p in prompts}) > 1:
         raise ValueError("the rows of an agnostic batch append questions of one length")
+    if not single and any(p.segments for p in prompts):
+        raise ValueError("a prompt with segments runs alone")
     fed = [p.context if agnostic else p.context + p.question for p in prompts]
     ids, padding = (fed[0], None) if single else left_padded(lm, fed)
 
@@ -70,7 +77,7 @@ def generate_rows(lm: LoadedModel, policy: Policy, prompts: list[Prompt], settin
         return Session(lm, policy, settings, prompt_tokens=[len(p.context) + len(p.question) for p in prompts],
                        arrival=[len(p.question) if agnostic else 1 for p in prompts], observers=observers,
                        adds=[p.max_new_tokens + (len(p.question) if agnostic else 0) for p in prompts],
-                       left_padding=padding)
+                       left_padding=padding, segments=prompts[0].segments if single else ())
 
     def prefill(session: Session) -> None:
         session.prefill(ids, shared=shared)
@@ -105,6 +112,8 @@ def _generations(lm: LoadedModel, session: Session, prompts: list[Prompt], answe
         text = cast(str, lm.tokenizer.decode(tokens, skip_special_tokens=True))  # one sequence: one text
         if len(prompts) == 1:
             measured = {**session.measurements(), **(follower.measurements() if follower else {})}
+            if prompt.segments:
+                measured |= segment_measurements(session.cache, prompt.segments)
             logits = session.logits
         else:
             measured, logits = session.measurements(row), session.row_logits(row)[None]

@@ -7,15 +7,18 @@ from typing import Any
 
 import pandas as pd
 
+from kvbench.columns import view
 from kvbench.summary import MODEL_AXES
 
 GROUP = [*MODEL_AXES, "task", "context_length", "question", "prefill"]
+SHOWN_LOSSES = 4  # the sub-scores a reason names at most, the largest drops first
 
 
 def recommend(frame: pd.DataFrame, max_drop: float, max_kl: float | None = None) -> pd.DataFrame:
     """Per group, the cell with the smallest cache ratio whose paired change vs `full` stays within
     `max_drop` points even at the low end of its 95% CI (and, with `max_kl`, whose mean KL from the full cache
-    stays within it: only cells that measured fidelity qualify); what it saves and what it costs in speed."""
+    stays within it: only cells that measured fidelity qualify); what it saves, what it costs in speed, and what its
+    mean hides (`hidden_costs`)."""
     rows = []
     for key, group in frame.groupby(GROUP, sort=False):
         full = group[group["policy"] == "full"]
@@ -44,10 +47,34 @@ def recommend(frame: pd.DataFrame, max_drop: float, max_kl: float | None = None)
             else None,
             "delta_vs_full": best["delta_vs_full"], "delta_ci_high": best["delta_ci_high"],
             "tpot_s": best["tpot_s"], "full_tpot_s": base["tpot_s"] if alike else None, "higher_is_better": higher,
-            "batch_size": _batch(best),
+            "batch_size": _batch(best), "hidden": "; ".join(hidden_costs(best, base, higher)),
             "note": "" if alike else f"speed not compared: batch size {_batch(best)}, full's {_batch(base)}",
         })
     return pd.DataFrame(rows)
+
+
+def hidden_costs(cell: pd.Series, full: pd.Series, higher_is_better: bool) -> list[str]:
+    """Where a cell within the drop on its mean still fares worse than `full` on the same samples: the sub-scores it
+    loses (`rule_2`, an instruction's position; a RULER subtask), the largest drops first, then the reason columns
+    (columns.VIEWS["reason"]: examples or rules split, the system prompt leaked, answers much longer or shorter)."""
+    losses = []
+    for name in cell.index:
+        if not name.startswith("score_") or name in ("score_ci_low", "score_ci_high"):
+            continue
+        mine, theirs = cell[name], full.get(name)
+        drop = (theirs - mine) if higher_is_better else (mine - theirs)
+        if pd.notna(drop) and drop > 0:
+            losses.append((-drop, f"{name.removeprefix('score_')} {mine:.2g} (full {theirs:.2g})"))
+    reasons = [text for _, text in sorted(losses)[:SHOWN_LOSSES]]
+    if len(losses) > SHOWN_LOSSES:
+        reasons.append(f"{len(losses) - SHOWN_LOSSES} more sub-scores below full's")
+    for column, display in view("reason"):
+        mine, theirs = cell.get(column.name), full.get(column.name)
+        if mine is None or pd.isna(mine) or mine == 0 or (pd.notna(theirs) and mine <= theirs):
+            continue
+        reasons.append(f"{display.text(mine)} {display.heading}" + (
+            "" if theirs is None or pd.isna(theirs) else f" (full {display.text(theirs)})"))
+    return reasons
 
 
 def _batch(row: pd.Series) -> int:

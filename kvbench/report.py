@@ -171,9 +171,10 @@ def _sentence(row: dict[str, Any], varies: list[str]) -> str:
     lower = "" if row["higher_is_better"] else ", lower is better"
     change = "" if pd.isna(row["delta_vs_full"]) else (
         f" (change {row['delta_vs_full']:+.2f}, 95% CI [{row['delta_ci_low']:+.2f}, {row['delta_ci_high']:+.2f}])")
+    hidden = f" Beneath the mean: {html.escape(row['hidden'])}." if row.get("hidden") else ""
     return (f"{head}: <b>{html.escape(row['policy'])}</b>{params}{budget} keeps {row['cache_ratio']:.2g}× of full's "
             f"KV bytes ({human_bytes(row['kv_saved_bytes'])} saved){speed}; score {row['score']:.3g} where full "
-            f"scores {row['full_score']:.3g}{lower}{change}.")
+            f"scores {row['full_score']:.3g}{lower}{change}.{hidden}")
 
 
 def _advice_section(frame: pd.DataFrame, max_drop: float) -> list[str]:
@@ -233,6 +234,7 @@ def _recommend_columns() -> list[Column]:
                text=False),
         Column("decode speed vs full", "decode_tok_s", formatted("decode_speed_vs_full", lambda v: f"{v:.2f}×"),
                raw("decode_speed_vs_full"), text=False),
+        Column("beneath the mean", "", text("hidden")),
         Column("note", "", text("note")),
     ]
 

@@ -35,6 +35,7 @@ from kvbench.measurements import cache_measurements, timings
 from kvbench.models import LoadedModel
 from kvbench.policies.base import Policy
 from kvbench.rows import RowAccounts
+from kvbench.segments import Segment
 from kvbench.settings import RunSettings, check_budget, compression_plan, policy_budget, resolve_budget, threshold_of
 from kvbench.sharing import SharedPrefill, compression_key, shared_prefill, wanted_compressions
 
@@ -65,6 +66,8 @@ class Session:
     that stops evicting grows by `adds` slots at once (by max(arrival, 256) at a time without it). `chunked` says
     whether the prompt is compressed more than once (default: the settings' prefill mode); `observers` gathers the
     statistics of other policies too (a shared prefill); `left_padding` `[batch]` makes it a left-padded batch.
+    `segments` are the prompt's units a task names (kvbench/segments.py: few-shot examples, a system prompt's rules),
+    for a policy that keeps them whole; one row's.
 
     A batch gives `prompt_tokens`, `arrival` and `adds` per row (or one for all): every row evicts as its own
     cache would (kvbench/rows.py keeps each row's accounts), so the rows must share one resolved budget
@@ -74,8 +77,10 @@ class Session:
     def __init__(self, lm: LoadedModel, policy: Policy, settings: RunSettings, prompt_tokens: int | Sequence[int],
                  *, arrival: int | Sequence[int] = 1, adds: int | Sequence[int] | None = None,
                  chunked: bool | None = None, growth: int | Sequence[int] | None = None,
-                 observers: list[Policy] | None = None, left_padding: torch.Tensor | None = None) -> None:
+                 observers: list[Policy] | None = None, left_padding: torch.Tensor | None = None,
+                 segments: Sequence[Segment] = ()) -> None:
         self.lm, self.policy, self.settings = lm, policy, settings
+        self.segments = tuple(segments)
         self.rows = 1 if left_padding is None else len(left_padding)
         prompts, arrivals = _per_row(prompt_tokens, self.rows), _per_row(arrival, self.rows)
         if growth is not None:

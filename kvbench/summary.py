@@ -24,6 +24,10 @@ BOOTSTRAP_RESAMPLES = 2000
 PAIRING = ["model", "task", "context_length", "question", "prefill", "samples", "seed"]
 # the robustness axes (`models:`, `dtypes:`): a run with several splits its tables, figures and recommendations
 MODEL_AXES = ["model", "dtype"]
+# an answer at least this many times as long as full's on the same prompt counts as much longer (at most SHORTER:
+# much shorter): a mean length ratio near 1 can hide a fifth of the answers running 1.5x long ("Rethinking KV cache
+# compression", MLSys 2025)
+LONGER, SHORTER = 1.5, 0.67
 
 
 def _model_axes(cell: dict[str, Any]) -> tuple[str, str]:
@@ -241,18 +245,9 @@ def _memory_label(memory: dict[str, Any] | None) -> str:
 
 def _paired_deltas(frame: pd.DataFrame, records: list[dict[str, Any]]) -> None:
     """Score minus `full`'s score on the same samples, with a bootstrap CI of the paired differences; and where
-    the cells generate, `length_ratio`: generated tokens over `full`'s on the same samples (a compressed cache
-    can change how long an answer runs, and so its end-to-end latency)."""
+    the cells generate, how long their answers run against `full`'s (`_length_changes`)."""
     reference = {row["_pairing"]: row["_scores"] for _, row in frame.iterrows() if row["policy"] == "full"}
-    lengths = {row["_pairing"]: row["_lengths"] for _, row in frame.iterrows() if row["policy"] == "full"}
-    ratios = []
-    for _, row in frame.iterrows():
-        full = lengths.get(row["_pairing"]) or {}
-        shared = [s for s in row["_lengths"] if full.get(s)]
-        ratios.append(float(np.mean([row["_lengths"][s] / full[s] for s in shared])) if shared else float("nan"))
-    if any(not np.isnan(r) for r in ratios):
-        frame["length_ratio"] = ratios
-    del frame["_lengths"]
+    _length_changes(frame)
     deltas, lows, highs = [], [], []
     for _, row in frame.iterrows():
         base = reference.get(row["_pairing"])
@@ -269,6 +264,23 @@ def _paired_deltas(frame: pd.DataFrame, records: list[dict[str, Any]]) -> None:
         highs.append(high)
     frame["delta_vs_full"], frame["delta_ci_low"], frame["delta_ci_high"] = deltas, lows, highs
     del frame["_pairing"]
+
+
+def _length_changes(frame: pd.DataFrame) -> None:
+    """Where the cells generate, each sample's generated tokens over `full`'s on the same sample (a compressed cache
+    can change how long an answer runs, and so its end-to-end latency): their mean `length_ratio`, and the shares of
+    samples at least LONGER times as long (`length_longer`) and at most SHORTER times (`length_shorter`)."""
+    lengths = {row["_pairing"]: row["_lengths"] for _, row in frame.iterrows() if row["policy"] == "full"}
+    ratios = []
+    for _, row in frame.iterrows():
+        full = lengths.get(row["_pairing"]) or {}
+        ratios.append(np.array([tokens / full[s] for s, tokens in row["_lengths"].items() if full.get(s)]))
+    del frame["_lengths"]
+    if not any(len(r) for r in ratios):
+        return
+    for name, of in (("length_ratio", np.mean), ("length_longer", lambda r: np.mean(r >= LONGER)),
+                     ("length_shorter", lambda r: np.mean(r <= SHORTER))):
+        frame[name] = [float(of(r)) if len(r) else float("nan") for r in ratios]
 
 
 def markdown(frame: pd.DataFrame, manifest: dict[str, Any]) -> str:
@@ -296,7 +308,8 @@ def _markdown_tables(frame: pd.DataFrame, heading: str) -> list[str]:
             ["task", "context_length", "question", "prefill"], sort=False):
         direction = "" if group["higher_is_better"].all() else " (score: lower is better)"
         pressure = (group["memory"] != "-").any()  # memory-pressure cells: say under which condition
-        shown = [(c, d) for c, d in view("markdown") if d.when_above is None or (group[c.name] > d.when_above).any()]
+        shown = [(c, d) for c, d in view("markdown") if c.name in group
+                 and (d.when_above is None or (group[c.name] > d.when_above).any())]
         lines += [f"## {heading}{task}, {length} tokens, question {question}, prefill {prefill}{direction}", "",
                   "| policy | params | budget |" + (" memory |" if pressure else "") + " n | score | delta vs full | "
                   + "".join(f"{d.heading} | " for _, d in shown).rstrip() + " status |",

@@ -66,7 +66,7 @@ def recommend_table(choices, max_drop: float, facet: str = "") -> Table:
     title = f"smallest cache within {max_drop:g} points of full (95% CI low end)"
     table = Table(title=f"{facet}: {title}" if facet else title)
     for column in ("task", "context", "question", "policy", "budget", "cache ratio", "score (full)", "kv saved",
-                   "decode speed vs full", "note"):
+                   "decode speed vs full", "beneath the mean", "note"):
         table.add_column(column)
     for _, r in choices.iterrows():
         found = r["policy"] is not None and not pd.isna(r["policy"])
@@ -76,7 +76,7 @@ def recommend_table(choices, max_drop: float, facet: str = "") -> Table:
             f"{r['cache_ratio']:.3f}" if found else "", f"{r['score']:.2f} ({r['full_score']:.2f})" if found else "",
             human_bytes(r["kv_saved_bytes"]) if found else "",
             f"{r['decode_speed_vs_full']:.2f}x" if found and not pd.isna(r["decode_speed_vs_full"]) else "",
-            r["note"])
+            r["hidden"] if found else "", r["note"])
     return table
 
 

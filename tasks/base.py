@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -10,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 from kvbench.errors import KvbenchError
 from kvbench.registry import Registry, declared_params
+from kvbench.segments import Segment
 
 if TYPE_CHECKING:
     from kvbench.generation import Generation
@@ -36,6 +38,7 @@ class Sample:
     separator: str = "\n\n"  # between context and question
     token_ids: list[int] | None = None  # a task that fixes the exact tokens (perplexity) sets them
     turns: list[dict[str, Any]] | None = None  # a conversation's user turns (dialogue)
+    system: str | None = None  # a system prompt: the chat template's system turn, or the text before the context
 
 
 @dataclass
@@ -116,22 +119,41 @@ build_task = TASKS.build
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, sample: Sample) -> tuple[list[int], list[int]]:
     """Token ids of (context part, question part). Their concatenation is the whole prompt; the split
     lets `question: agnostic` compress the context before the question arrives, on the same tokens."""
+    context_text, question_text, add_special = _prompt_text(tokenizer, sample)
+    context_ids = tokenizer(context_text, add_special_tokens=add_special).input_ids
+    question_ids = tokenizer(question_text, add_special_tokens=False).input_ids
+    return context_ids, question_ids
+
+
+def prompt_segments(tokenizer: PreTrainedTokenizerBase, sample: Sample, pieces: list[tuple[str, str]],
+                    ) -> tuple[Segment, ...]:
+    """The positions of `pieces` ((label, text), in the order they appear in the sample's system prompt and context)
+    in the context part `encode_prompt` makes: each segment covers the tokens its text overlaps."""
+    context_text, _, add_special = _prompt_text(tokenizer, sample)
+    offsets = tokenizer(context_text, add_special_tokens=add_special, return_offsets_mapping=True).offset_mapping
+    token_starts, token_ends = [start for start, _ in offsets], [end for _, end in offsets]
+    segments, at = [], 0
+    for label, text in pieces:
+        start = context_text.index(text, at)
+        at = start + len(text)
+        segments.append(Segment(label, bisect.bisect_right(token_ends, start), bisect.bisect_left(token_starts, at)))
+    return tuple(segments)
+
+
+def _prompt_text(tokenizer: PreTrainedTokenizerBase, sample: Sample) -> tuple[str, str, bool]:
+    """The prompt as text, (context part, question part), and whether the tokenizer adds its special tokens to it."""
     if tokenizer.chat_template and sample.chat:
+        system = [{"role": "system", "content": sample.system}] if sample.system else []
         rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"{sample.context}{sample.separator}{_SPLIT}{sample.question}"}],
+            [*system, {"role": "user", "content": f"{sample.context}{sample.separator}{_SPLIT}{sample.question}"}],
             tokenize=False,
             add_generation_prompt=True,
         )
         context_text, question_text = rendered.split(_SPLIT)
-        question_text += sample.answer_prefix
-        add_special = False  # the template carries its own special tokens
-    else:
-        context_text = f"{sample.context}{sample.separator}"
-        question_text = f"{sample.question}\n{sample.answer_prefix}" if sample.answer_prefix else sample.question
-        add_special = True
-    context_ids = tokenizer(context_text, add_special_tokens=add_special).input_ids
-    question_ids = tokenizer(question_text, add_special_tokens=False).input_ids
-    return context_ids, question_ids
+        return context_text, question_text + sample.answer_prefix, False  # the template carries its special tokens
+    system = f"{sample.system}\n\n" if sample.system else ""
+    question_text = f"{sample.question}\n{sample.answer_prefix}" if sample.answer_prefix else sample.question
+    return f"{system}{sample.context}{sample.separator}", question_text, True
 
 
 def prompt_overhead(tokenizer: PreTrainedTokenizerBase, question: str, answer_prefix: str) -> int:

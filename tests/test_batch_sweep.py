@@ -45,6 +45,7 @@ POLICY_SPECS = [
     "full", "window", {"name": "streaming_llm", "sinks": 4}, {"name": "h2o", "recent_ratio": 0.5}, "tova",
     SNAP, {"name": "pyramidkv", "window": 8, "beta": 4}, {"name": "ada_kv", "base": SNAP},
     {"name": "chunkkv", "base": SNAP, "chunk": 4}, {"name": "criticalkv", "base": SNAP},
+    {"name": "whole_segments", "base": SNAP},
     {"name": "compose", "prefill": SNAP, "decode": "h2o"}, {"name": "hybrid", "prefill": SNAP},
     {"name": "expected_attention", "n_future_positions": 16},
     {"name": "expected_attention", "n_future_positions": 16, "decode": True}, "knorm",

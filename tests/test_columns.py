@@ -19,11 +19,12 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def sweep_run(tmp_path_factory) -> Path:
-    """A tiny sweep with fidelity: records as the producers write them, and their summary."""
+    """A tiny sweep with fidelity and a task with segments: records as the producers write them, and their summary."""
     from tests.test_sweep import TINY, sweep, write_config
 
     folder = tmp_path_factory.mktemp("columns")
-    config = {**TINY, "policies": ["full", "h2o"], "budgets": [64], "samples": 1, "diagnostics": ["fidelity"]}
+    config = {**TINY, "policies": ["full", "h2o"], "budgets": [64], "samples": 1, "diagnostics": ["fidelity"],
+              "tasks": [*TINY["tasks"], {"name": "instructions", "instructions": 1}]}  # its segments and leak
     sweep(write_config(folder, config), folder / "run")
     return folder / "run"
 

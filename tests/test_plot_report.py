@@ -312,7 +312,8 @@ COLOURS = {
     "qfilter": "#661100", "quant": "#D55E00", "quest": "#CC3311", "random": "#999999", "razorattention": "#332288",
     "rkv": "#332288",
     "scissorhands": "#AA4499", "simlayerkv": "#009E73", "snapkv": "#0072B2", "streaming_llm": "#56B4E9",
-    "think": "#882255", "tova": "#882255", "window": "#E69F00", "my_plugin": "#661100", "foo": "#56B4E9",
+    "think": "#882255", "tova": "#882255", "whole_segments": "#CC6677", "window": "#E69F00", "my_plugin": "#661100",
+    "foo": "#56B4E9",
 }
 
 

@@ -1,5 +1,5 @@
-"""Wrappers (compose, hybrid, adaptive, ada_kv, chunkkv, criticalkv) forward every policy hook to their stages
-by construction."""
+"""Wrappers (compose, hybrid, adaptive, ada_kv, chunkkv, criticalkv, whole_segments) forward every policy hook to
+their stages by construction."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ WRAPPERS = sorted(name for name in POLICIES.names() if issubclass(POLICIES.get(n
 
 
 def test_the_registered_wrappers_are_the_known_ones():
-    assert WRAPPERS == ["ada_kv", "adaptive", "chunkkv", "compose", "criticalkv", "hybrid"]
+    assert WRAPPERS == ["ada_kv", "adaptive", "chunkkv", "compose", "criticalkv", "hybrid", "whole_segments"]
 
 
 class Spy(Policy):
@@ -66,7 +66,7 @@ def call_hook(policy: Policy, name: str, cache) -> None:
     arguments = {"observe": (layer, None, None, 1.0, cache.phase), "score": (layer, 8), "select": (layer, 8),
                  "threshold_score": (layer,), "fold": (layer, None), "read_mask": (layer, None, 8),
                  "layer_budgets": (8, 2), "report": (), "observers": (), "state_keys": (), "batch_limits": (),
-                 "after_prompt": (SimpleNamespace(cache=cache), None), "prepare": (None,),
+                 "after_prompt": (SimpleNamespace(cache=cache, segments=()), None), "prepare": (None,),
                  "bounded": (layer,)}
     getattr(policy, name)(*arguments[name])
 
