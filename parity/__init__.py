@@ -15,3 +15,12 @@ def kept_per_head(config: dict, prompt_tokens: int, case: dict | None = None) ->
 def pattern_folder(work: Path, case: dict, model: str) -> Path:
     """Where parity.prepare writes `case`'s head pattern for `model` (full_attention_heads.tsv, config.json)."""
     return work / "patterns" / case["name"] / model
+
+
+# a calibrated policy's parameter naming its artifact folder, by `calibrated:` method
+ARTIFACT_PARAMS = {"qfilter": "filters"}
+
+
+def artifact_folder(work: Path, case: dict, model: str) -> Path:
+    """Where parity.prepare writes `case`'s calibrated artifact for `model` (`kvbench calibrate`'s folder)."""
+    return work / "artifacts" / case["name"] / model

@@ -24,7 +24,7 @@ from kvbench.check import kept_channels, kept_masks
 from kvbench.models import load_model
 from kvbench.policies.base import build_spec
 from kvbench.session import RunSettings, Session
-from parity import kept_per_head, pattern_folder
+from parity import ARTIFACT_PARAMS, artifact_folder, kept_per_head, pattern_folder
 
 CASES = Path(__file__).with_name("cases.yaml")
 
@@ -69,6 +69,8 @@ def compare(work: Path, config: dict) -> list[Agreement]:
             spec, window = case["kvbench"], case.get("pattern")
             if window is not None:  # the same pattern file, at the budget its window keeps
                 spec = {**spec, "pattern": str(pattern_folder(work, case, name))}
+            if "calibrated" in case:  # the same artifact folder kvpress loads
+                spec = {**spec, ARTIFACT_PARAMS[case["calibrated"]]: str(artifact_folder(work, case, name))}
             for prompt, their_masks in zip(prompts[name], theirs[name][case["name"]], strict=True):
                 if "threshold" in case:
                     budget: int | Threshold = Threshold(case["threshold"])

@@ -15,9 +15,10 @@ import transformers
 import yaml
 from transformers import AutoTokenizer
 
+from kvbench.calibrate import QFilterSettings, calibrate
 from kvbench.models import load_model, local_source
 from kvbench.tasks.corpus import load_corpus
-from parity import pattern_folder
+from parity import artifact_folder, pattern_folder
 
 CASES = Path(__file__).with_name("cases.yaml")
 # random weights attend almost uniformly, where scores tie; peaked attention separates them, too peaked an attention
@@ -25,6 +26,8 @@ CASES = Path(__file__).with_name("cases.yaml")
 # scale), drawn per channel as a trained norm's are (a norm of equal weights gives every key one length)
 SHARPEN, SHARPEN_NORMED = 12.0, 2.0
 SEED = 3
+# a calibration small enough for CPU: the embedded corpus through each model (its own tokenizer)
+CALIBRATION = QFilterSettings(documents=2, tokens=256)
 
 
 def random_model(shape: str, folder: Path) -> None:
@@ -93,6 +96,9 @@ def main(work: Path) -> None:
         for case in config["cases"]:
             if "pattern" in case:
                 write_pattern(pattern_folder(work, case, spec["name"]), folder, case["pattern"])
+            if "calibrated" in case:  # kvbench's artifact, which both sides load
+                lm = load_model(str(folder), dtype="float32", device="cpu")
+                calibrate(lm, case["calibrated"], "embedded", CALIBRATION, artifact_folder(work, case, spec["name"]))
         print(f"parity: {spec['name']}: prompts of {[len(p) for p in prompts[spec['name']]]} tokens", flush=True)
     (work / "prompts.json").write_text(json.dumps(prompts))
 

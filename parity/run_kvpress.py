@@ -25,7 +25,7 @@ import transformers
 import yaml
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from parity import kept_per_head, pattern_folder
+from parity import artifact_folder, kept_per_head, pattern_folder
 
 CASES = Path(__file__).with_name("cases.yaml")
 
@@ -68,6 +68,12 @@ def local_pattern(folder: Path):
         gates = np.clip(np.loadtxt(folder / "full_attention_heads.tsv", dtype=float, delimiter="\t"), 0, 1)
         return window["sink_size"], window["recent_size"], gates
     return load
+
+
+def local_qfilters(folder: Path):
+    """QFilterPress's `load_q_filters`, reading kvbench's calibration in `folder` (kvpress's own QFilters format)
+    instead of the `nthngdy/*_qfilt` download."""
+    return lambda model_name: kvpress.presses.qfilter_press.QFilters.from_pretrained(folder).q_filters
 
 
 def prompt_keys(model, ids: torch.Tensor) -> list[torch.Tensor]:
@@ -124,6 +130,8 @@ def main(work: Path, cases: list[str] | None = None) -> None:
             n, slots = len(prompt), model.config.num_hidden_layers * model.config.num_key_value_heads * len(prompt)
             for case in config["cases"]:
                 press = build_press(case["kvpress"])
+                if "calibrated" in case:
+                    press.load_q_filters = local_qfilters(artifact_folder(work, case, name))
                 if "pattern" in case:  # the press decides its own counts from its pattern
                     press.load_attention_pattern = local_pattern(pattern_folder(work, case, name))
                 elif "threshold" not in case and not case.get("press_counts"):  # else the press decides its counts:

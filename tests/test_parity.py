@@ -19,7 +19,8 @@ def test_every_case_builds_and_states_its_tolerance_and_reason():
     names = [case["name"] for case in CONFIG["cases"]]
     assert len(names) == len(set(names))
     assert {"snapkv", "streaming_llm", "knorm", "tova", "pyramidkv", "expected_attention", "keydiff", "lagkv",
-            "chunkkv", "criticalkv", "ada_kv", "kvzip", "duoattention", "think", "snapkv+think"} <= set(names)
+            "chunkkv", "criticalkv", "ada_kv", "kvzip", "kvzip_plus", "qfilter", "duoattention", "think",
+            "snapkv+think"} <= set(names)
     for case in CONFIG["cases"]:
         # a case with a pattern reads the one parity.prepare writes; any pattern builds it here
         pattern = {"pattern": NEEDED_PARAMS["duoattention"]["pattern"]} if "pattern" in case else {}

@@ -12,7 +12,16 @@ import torch
 from transformers import DynamicCache
 from typer.testing import CliRunner
 
-from kvbench.calibrate import QFilterSettings, calibrate, corpus_documents, load_qfilters, qfilters, save_qfilters
+from kvbench import check
+from kvbench.calibrate import (
+    QFilterSettings,
+    calibrate,
+    corpus_documents,
+    default_folder,
+    load_qfilters,
+    qfilters,
+    save_qfilters,
+)
 from kvbench.cli import app
 from kvbench.errors import KvbenchError
 from kvbench.policies import build_policy
@@ -141,3 +150,13 @@ def test_kvbench_calibrate_writes_where_the_policy_looks(monkeypatch, tmp_path, 
 
     lm = load_model("random:tiny-llama", dtype="float32", device="cpu")
     run_session(lm, build_policy("qfilter"), PROMPT, [], BUDGET)  # finds the model's own folder
+
+
+def test_kvbench_check_holds_qfilter_to_its_reference_once_calibrated(sharp_llama, calibrated, monkeypatch, tmp_path):
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
+    prompt, decode = check.prompt_tokens(sharp_llama, 100)[:96], []
+    skipped = check.check_policy(sharp_llama, "qfilter", prompt, decode, "short")
+    assert skipped.status == "skip" and "kvbench calibrate -m random:tiny-llama --method qfilter" in skipped.detail
+    save_qfilters(load_qfilters(calibrated), default_folder(sharp_llama, "qfilter"), {})
+    checked = check.check_policy(sharp_llama, "qfilter", prompt, decode, "short")
+    assert checked.status == "pass", checked.detail
