@@ -33,7 +33,7 @@ def recommend(frame: pd.DataFrame, max_drop: float, max_kl: float | None = None)
             ok = ok[ok["kl_mean"] <= max_kl] if "kl_mean" in ok else ok.iloc[0:0]
         if ok.empty:
             within = tolerance(max_drop, higher) + ("" if max_kl is None else f" and KL {max_kl:g}")
-            rows.append({**row, "policy": None, "note": f"none within {within}"})
+            rows.append({**row, "policy": None, "note": f"none within {within}{_closest(group, worst, higher)}"})
             continue
         best = ok.sort_values(["cache_ratio", "score"], ascending=[True, not higher]).iloc[0]
         base = full.iloc[0]
@@ -51,6 +51,17 @@ def recommend(frame: pd.DataFrame, max_drop: float, max_kl: float | None = None)
             "note": "" if alike else f"speed not compared: batch size {_batch(best)}, full's {_batch(base)}",
         })
     return pd.DataFrame(rows)
+
+
+def _closest(group: pd.DataFrame, worst: pd.Series, higher_is_better: bool) -> str:
+    """`; closest: snapkv at 0.5 (-50.0), beneath its mean: rule_1 0 (full 1)` for a group no cell passes."""
+    changes = worst[group["policy"] != "full"].dropna()
+    if changes.empty:
+        return ""
+    cell, full = group.loc[changes.idxmax()], group[group["policy"] == "full"].iloc[0]
+    hidden = "; ".join(hidden_costs(cell, full, higher_is_better))
+    return f"; closest: {_setting((cell['policy'], cell['params'], cell['budget']))} ({changes.max():+.1f})" + (
+        f", beneath its mean: {hidden}" if hidden else "")
 
 
 def hidden_costs(cell: pd.Series, full: pd.Series, higher_is_better: bool) -> list[str]:

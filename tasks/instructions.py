@@ -51,6 +51,10 @@ def _unquoted(answer: str) -> str:
     return answer.strip().strip("\"'“”").strip()
 
 
+def _quoted(answer: str) -> bool:
+    return len(answer) > 1 and answer[0] in "\"“" and answer[-1] in "\"”"
+
+
 KINDS = {
     "start": Kind('Begin your answer with the word "{arg}".',
                   lambda answer, arg: re.split(r"\W+", _unquoted(answer) + " ", maxsplit=1)[0].lower() == arg.lower(),
@@ -63,9 +67,7 @@ KINDS = {
                   _AVOIDED),
     "upper": Kind("Write your whole answer in capital letters.", lambda answer, _: answer == answer.upper()),
     "lower": Kind("Write your whole answer in lowercase letters.", lambda answer, _: answer == answer.lower()),
-    "quotes": Kind("Wrap your whole answer in double quotation marks.",
-                   lambda answer, _: len(answer.strip()) > 1 and answer.strip()[0] in "\"“" and answer.strip()[-1] in
-                   "\"”"),
+    "quotes": Kind("Wrap your whole answer in double quotation marks.", lambda answer, _: _quoted(answer)),
     "no_commas": Kind("Do not use any commas in your answer.", lambda answer, _: "," not in answer),
     "max_words": Kind("Answer in at most {arg} words.", lambda answer, arg: len(answer.split()) <= int(arg),
                       ("20", "25", "30")),
