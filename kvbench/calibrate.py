@@ -54,6 +54,11 @@ class Calibrated:
     tokens: int
 
 
+def require_method(method: str) -> None:
+    if method not in METHODS:
+        raise KvbenchError(f"kvbench calibrate: --method '{method}' is not one of {', '.join(METHODS)}")
+
+
 def default_folder(lm: LoadedModel, method: str) -> Path:
     """Where a calibration lands unless told otherwise, and where its policy looks: `$KVBENCH_CACHE/<method>/`, in a
     folder keyed by the model's config, dtype and attention weights (`model_digest`, as RazorAttention's heads)."""
@@ -88,8 +93,7 @@ def calibrate(lm: LoadedModel, method: str, corpus: str, settings: QFilterSettin
     """`method`'s artifact for `lm` from `corpus` (`embedded` or a file or folder of text), written to `output`
     (default: `default_folder`). The computation is cached per model and settings (`per_model`), so a second call
     only writes the folder. `advance(done, total)` after each document."""
-    if method not in METHODS:
-        raise KvbenchError(f"kvbench calibrate: unknown method '{method}' (choose from {', '.join(METHODS)})")
+    require_method(method)
     documents = corpus_documents(lm, corpus, settings)
     corpus_digest = hashlib.sha256(json.dumps(documents).encode()).hexdigest()[:16]
     variant = f"{asdict(settings)} corpus={corpus_digest}"

@@ -7,9 +7,8 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from kvbench.calibrate import METHODS, PAPER, QFilterSettings, dtype_name
+from kvbench.calibrate import METHODS, PAPER, QFilterSettings, dtype_name, require_method
 from kvbench.cli.app import DTYPE, app, progress_bar, stdout, user_errors
-from kvbench.errors import KvbenchError
 
 SMALL = QFilterSettings()
 
@@ -44,8 +43,7 @@ def calibrate(
     from kvbench.calibrate import calibrate as run_calibration
     from kvbench.models import load_model
 
-    if method not in METHODS:
-        raise KvbenchError(f"kvbench calibrate: --method '{method}' is not one of {', '.join(METHODS)}")
+    require_method(method)  # before the model loads
     size = PAPER if paper else SMALL
     settings = QFilterSettings(documents=documents or size.documents, tokens=tokens or size.tokens,
                                samples=samples, seed=seed)
