@@ -98,7 +98,7 @@ def calibrate(lm: LoadedModel, method: str, corpus: str, settings: QFilterSettin
     corpus_digest = hashlib.sha256(json.dumps(documents).encode()).hexdigest()[:16]
     variant = f"{asdict(settings)} corpus={corpus_digest}"
     started = time.perf_counter()
-    saved, computed = per_model(lm, "calibrate-qfilter", variant,
+    saved, computed = per_model(lm, f"calibrate-{method}", variant,
                                 lambda: {"q_filters": qfilters(lm, documents, settings, advance)})
     seconds = time.perf_counter() - started
     folder = output or default_folder(lm, method)
