@@ -99,13 +99,13 @@ COLUMNS = [
     # split (kept in part, in some layer and KV head) and dropped whole
     Column("segments_split", "fraction", "generation", "mean_ci", better="lower",
            shown={"markdown": Display("split", ".2f", when_above=0), "html": Display("segments split", ".0%"),
-                  "reason": Display("of the prompt's units (examples, rules) split", ".0%")}),
+                  "reason": Display("of the examples or rules split", ".0%")}),
     Column("segments_dropped", "fraction", "generation", "mean_ci", better="lower",
-           shown={"reason": Display("of the prompt's units dropped whole", ".0%")}),
+           shown={"reason": Display("of the examples or rules dropped whole", ".0%")}),
     # the instructions task: the share of its system prompt a request to repeat it gets back
     Column("leak", "fraction", "tasks", "mean_ci", better="lower",
            shown={"markdown": Display("leak", ".2f", when_above=0), "html": Display("system prompt leaked", ".0%"),
-                  "reason": Display("of the system prompt repeated when asked", ".0%")}),
+                  "reason": Display("of the system prompt leaked", ".0%")}),
     Column("budget_tokens", "tokens", "session", "mean"),
     # the most samples it decoded together: its times and tokens/s are that batch's (records before batching: one)
     Column("batch_size", "sequences", "session", "max", missing=1,
@@ -117,10 +117,10 @@ COLUMNS = [
     # where some cell has one)
     Column("length_longer", "fraction", "summary", "paired", better="lower",
            shown={"markdown": Display("≥1.5× len", ".2f", when_above=0), "html": Display("≥1.5× longer", ".0%"),
-                  "reason": Display("of the answers at least 1.5× as long as full's", ".0%")}),
+                  "reason": Display("of the answers ≥1.5× full's length", ".0%")}),
     Column("length_shorter", "fraction", "summary", "paired", better="lower",
            shown={"markdown": Display("≤0.67× len", ".2f", when_above=0), "html": Display("≤0.67× shorter", ".0%"),
-                  "reason": Display("of the answers at most 0.67× as long as full's", ".0%")}),
+                  "reason": Display("of the answers ≤0.67× full's length", ".0%")}),
     Column("delta_vs_full", "task's unit", "summary", "paired", better="higher",
            shown={"latex": Display(r"$\Delta$ vs full", ".2f")}),
     Column("generated_tokens", "tokens", "measurements"),  # the summary pairs it into length_ratio

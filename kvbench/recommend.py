@@ -84,7 +84,7 @@ def hidden_costs(cell: pd.Series, full: pd.Series, higher_is_better: bool) -> li
         if mine is None or pd.isna(mine) or mine == 0 or (pd.notna(theirs) and mine <= theirs):
             continue
         reasons.append(f"{display.text(mine)} {display.heading}" + (
-            "" if theirs is None or pd.isna(theirs) else f" (full {display.text(theirs)})"))
+            "" if theirs is None or pd.isna(theirs) or theirs == 0 else f" (full {display.text(theirs)})"))
     return reasons
 
 

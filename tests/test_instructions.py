@@ -175,11 +175,11 @@ def test_the_summary_recommend_and_report_name_the_rules_lost_the_units_split_an
     assert "| length × | ≥1.5× len | split | leak |" in (run / "summary.md").read_text()
     chosen = recommend(frame, max_drop=2).iloc[0]
     assert chosen["policy"] == "snapkv" and chosen["hidden"] == (
-        "rule_1 0 (full 1); 50% of the prompt's units (examples, rules) split (full 0%); 60% of the system prompt "
-        "repeated when asked (full 20%); 25% of the answers at least 1.5× as long as full's (full 0%)")
+        "rule_1 0 (full 1); 50% of the examples or rules split; 60% of the system prompt leaked (full 20%); 25% of "
+        "the answers ≥1.5× full's length")
     frame.loc[frame["policy"] == "snapkv", "delta_ci_low"] = -0.5  # now no cell is within the drop
     assert recommend(frame, max_drop=2).iloc[0]["note"].startswith(
-        "none within 2 points; closest: snapkv at 0.5 (-50.0), beneath its mean: rule_1 0 (full 1); 50% of")
+        "none within 2 points; closest: snapkv at 0.5 (-50.0), beneath its mean: rule_1 0 (full 1); 50% of the")
     answer = html_report(run).read_text().split("<h2>Figures</h2>")[0]
     assert "score 0.5 where full scores 0.5 (change +0.00, 95% CI [+0.00, +0.00]). Beneath the mean: rule_1 0 (full " \
-           "1); 50% of the prompt&#x27;s units (examples, rules) split" in answer
+           "1); 50% of the examples or rules split; 60% of the system prompt leaked (full 20%)" in answer
