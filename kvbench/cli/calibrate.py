@@ -36,7 +36,7 @@ def calibrate(
     dtype: str = DTYPE,
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N."),
 ) -> None:
-    """Compute a calibrated policy's artifact for MODEL from the model itself.
+    """Compute a calibrated policy's artifact from MODEL itself.
 
     qfilter: the Q-Filters the qfilter policy reads, saved as kvpress's QFilters (QFilterPress loads the same
     folder). Computed once per model and settings: a second run reads the result back."""
