@@ -269,9 +269,10 @@ class SweepConfig(Strict):
                         raise _Located((field, index, "name"), str(exc)) from None
                     for budget in spec.budgets or self.budgets:
                         tokens = budget if isinstance(budget, int) else None
-                        if takes_budget(built) and (tokens is not None or threshold_from(budget) is not None):
+                        threshold = threshold_from(budget) is not None
+                        if takes_budget(built) and (tokens is not None or threshold):
                             try:  # a policy cannot take thresholds at all, or cannot take this token count
-                                built.check(Demand(tokens, threshold_from(budget) is not None, chunked))
+                                built.check(Demand(tokens, threshold, chunked))
                             except KvbenchError as exc:
                                 where = ("budgets",) if tokens is not None else (field, index, "name")
                                 raise _Located(where, str(exc)) from None
