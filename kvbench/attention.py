@@ -19,6 +19,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvbench.errors import KvbenchError
+from kvbench.joint import JointCache
 
 if TYPE_CHECKING:
     from kvbench.cache import LayerKV
@@ -58,6 +59,10 @@ def kvbench_attention(
 ) -> tuple[torch.Tensor, None]:
     observer = kwargs.get("kv_observer")
     scaling = scaling if scaling is not None else cast(float, module.scaling)
+    if isinstance(observer, JointCache):  # a joint step: each row attends over its own cache, as it does alone
+        return torch.cat([kvbench_attention(module, query[row : row + 1], keys, values, None, scaling,
+                                            **{**kwargs, "kv_observer": cache})[0]
+                          for row, (cache, keys, values) in enumerate(observer.row_entries(module.layer_idx))]), None
     if observer is None:  # a stock cache (slots are positions): transformers' mask is right, only softcap is ours
         kind, padding = LayerKind(softcap=kwargs.get("softcap")), None
     else:
@@ -181,6 +186,25 @@ def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 def register() -> None:
     AttentionInterface.register(ATTENTION_NAME, kvbench_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def record_attention_inputs(model: torch.nn.Module) -> None:
+    """Make each attention module of `model` hand the hidden states it projects its queries, keys and values from
+    (`[batch, new tokens, hidden]`, after the layer's input norm) to the layer of the kvbench cache it runs with, as
+    `LayerKV.attention_input`, while that cache's observers run (KVzap scores them, KVzip+ divides by their norm).
+    Installed once per model; a forward without an observing kvbench cache is left as it is."""
+    if getattr(model, "_kvbench_attention_inputs", False):
+        return
+    for decoder_layer in model.model.layers:
+        decoder_layer.self_attn.register_forward_pre_hook(_hand_attention_input, with_kwargs=True)
+    model._kvbench_attention_inputs = True
+
+
+def _hand_attention_input(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    observer = kwargs.get("kv_observer")
+    if observer is not None and observer.observing:
+        observer.layers[module.layer_idx].attention_input = kwargs["hidden_states"] if "hidden_states" in kwargs \
+            else args[0]
 
 
 def chunk_elements(device: torch.device) -> int:

@@ -101,6 +101,8 @@ def expand(config: SweepConfig) -> list[Cell]:
         if config.memory_limit:
             conditions.append({"limit_bytes": parse_bytes(config.memory_limit)})
         cells = [Cell({**cell.description, "memory": condition}) for cell in cells for condition in conditions]
+    if config.load:  # one cell per arrival condition
+        cells = [Cell({**cell.description, "load": load}) for cell in cells for load in config.load.conditions()]
     unique = {cell.id: cell for cell in cells}  # a policy listed twice runs once
     return list(unique.values())
 
@@ -121,7 +123,8 @@ def shard(cells: list[Cell], spec: str | None) -> list[Cell]:
 
 def sample_total(cells: list[Cell]) -> int:
     """Samples the grid scores in all (cells x the samples each cell's task makes)."""
-    return sum(cell_task(cell).sample_count(cell.description["samples"]) for cell in cells)
+    return sum(cell.description["load"]["requests"] if "load" in cell.description
+               else cell_task(cell).sample_count(cell.description["samples"]) for cell in cells)
 
 
 def cell_task(cell: Cell) -> Task:

@@ -75,6 +75,49 @@ class TimingConfig(Strict):
     repeats: int = Field(3, ge=1)
 
 
+class SloConfig(Strict):
+    """What a good request meets under load: time to its first token, time per output token after it."""
+
+    ttft_s: float | None = Field(None, gt=0)
+    tpot_s: float | None = Field(None, gt=0)
+
+
+class LoadConfig(Strict):
+    """Cells under load (kvbench/serving.py), one per arrival rate (Poisson, requests/s) or closed loop of `users`:
+    `requests` drawn from the task's samples share a KV pool (`kv_pool`: bytes as `512MiB`, or `4096 tokens` of the
+    model's full cache; or `pressure`, a share of the GPU memory free when the cell starts)."""
+
+    rates: list[float] | None = Field(None, min_length=1)
+    users: list[int] | None = Field(None, min_length=1)
+    requests: int = Field(32, gt=0)
+    kv_pool: str | None = None
+    pressure: float | None = Field(None, gt=0, le=1)
+    slo: SloConfig = SloConfig()
+    timeout_s: float | None = Field(None, gt=0)
+    max_queue: int | None = Field(None, gt=0)
+    horizon_s: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _arrivals(self) -> LoadConfig:
+        if (self.rates is None) == (self.users is None):
+            raise ValueError("give 'rates' (Poisson arrivals, requests/s) or 'users' (a closed loop), one of them")
+        if any(rate <= 0 for rate in self.rates or []) or any(users < 1 for users in self.users or []):
+            raise ValueError(f"rates must be positive and users at least 1, got {self.rates or self.users}")
+        if self.kv_pool is not None and self.pressure is not None:
+            raise ValueError("give 'kv_pool' or 'pressure', not both")
+        if self.kv_pool is not None:
+            from kvbench.serving import pool_spec
+
+            _checked(pool_spec, self.kv_pool)
+        return self
+
+    def conditions(self) -> list[dict[str, Any]]:
+        """Each load cell's `load` description: its arrivals, and what every cell of the sweep shares."""
+        shared = self.model_dump(exclude={"rates", "users"})
+        return [{"rate": rate, **shared} for rate in self.rates or []] + \
+            [{"users": users, **shared} for users in self.users or []]
+
+
 class PolicySpec(NamedSpec):
     """A policy; `budgets:` (or `budget:`) gives it its own budgets instead of the sweep's, e.g. to set a
     hybrid policy beside a compression one at equal bytes."""
@@ -145,6 +188,8 @@ class SweepConfig(Strict):
     # memory-pressure cells: the share of device memory already taken, or the memory the run may use
     pressure: list[float] | None = None
     memory_limit: str | None = None
+    # a service under load: requests arriving while others decode, in a pool of KV memory (kvbench/serving.py)
+    load: LoadConfig | None = None
     output: str | None = None
 
     @model_validator(mode="before")
@@ -278,6 +323,21 @@ class SweepConfig(Strict):
                                 raise _Located(where, str(exc)) from None
         return self
 
+    @model_validator(mode="after")
+    def _load_alone(self) -> SweepConfig:
+        if self.load is None:
+            return self
+        for key in ("timing", "pressure", "memory_limit", "diagnostics"):
+            if getattr(self, key):
+                raise _Located(("load",), f"load cells time and measure a service: '{key}' does not combine with them")
+        from kvbench.tasks import TASKS
+
+        for index, spec in enumerate(self.tasks):
+            if not TASKS.build(spec.name, spec.params).batches:
+                raise _Located(("tasks", index, "name"), f"task '{spec.name}' runs each sample its own way: under "
+                               "load kvbench serves tasks that answer one prompt")
+        return self
+
     def all_budgets(self) -> list[BudgetSpec]:
         """The sweep's budgets and every policy's own."""
         return [*self.budgets, *(budget for policy in self.policies for budget in policy.budgets or [])]
@@ -298,7 +358,7 @@ class SweepConfig(Strict):
         for policy in relevant["policies"]:
             if policy["budgets"] is None:
                 del policy["budgets"]
-        for key in ("timing", "pressure", "memory_limit"):
+        for key in ("timing", "pressure", "memory_limit", "load"):
             if relevant[key] is None:
                 del relevant[key]
         if not relevant["diagnostics"]:

@@ -108,8 +108,7 @@ def _generations(lm: LoadedModel, session: Session, prompts: list[Prompt], answe
     """Each row's answer (cut at its end of sequence and its stop strings) and its record's columns."""
     generations = []
     for row, (prompt, tokens) in enumerate(zip(prompts, answers, strict=True)):
-        tokens = _without_eos(tokens, eos)
-        text = cast(str, lm.tokenizer.decode(tokens, skip_special_tokens=True))  # one sequence: one text
+        text, tokens = answer(lm, tokens, eos, prompt.stop)
         if len(prompts) == 1:
             measured = {**session.measurements(), **(follower.measurements() if follower else {})}
             if prompt.segments:
@@ -117,8 +116,22 @@ def _generations(lm: LoadedModel, session: Session, prompts: list[Prompt], answe
             logits = session.logits
         else:
             measured, logits = session.measurements(row), session.row_logits(row)[None]
-        generations.append(Generation(_cut(text, prompt.stop), tokens, logits, measured))
+        generations.append(Generation(text, tokens, logits, measured))
     return generations
+
+
+def answer(lm: LoadedModel, tokens: list[int], eos: set[int], stop: tuple[str, ...]) -> tuple[str, list[int]]:
+    """A generated answer's text (cut at its stop strings) and tokens (without the end of sequence that ended it)."""
+    tokens = _without_eos(tokens, eos)
+    return _cut(cast(str, lm.tokenizer.decode(tokens, skip_special_tokens=True)), stop), tokens
+
+
+def stopped(lm: LoadedModel, tokens: list[int], stop: tuple[str, ...]) -> bool:
+    """Whether the text of `tokens` so far holds one of the `stop` strings (an answer ends there)."""
+    if not stop:
+        return False
+    text = cast(str, lm.tokenizer.decode(tokens, skip_special_tokens=True))  # one sequence: one text
+    return any(s in text.lstrip() for s in stop)
 
 
 def left_padded(lm: LoadedModel, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -182,7 +182,10 @@ class RunFolder:
         staging.replace(self.path / MANIFEST)  # atomic: a kill never leaves half a manifest
 
     def records(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.records_path)
+        """Every record, one per (cell, sample): a cell rerun whole after a kill (a load cell) wrote some twice, and
+        the later run's count."""
+        rows = read_jsonl(self.records_path)
+        return list({(row["cell_id"], row["sample_id"]): row for row in rows}.values())
 
     def cells(self) -> dict[str, dict[str, Any]]:
         """Final status per cell id (the last line for a cell wins)."""

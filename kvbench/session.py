@@ -27,9 +27,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
+from transformers.cache_utils import Cache
 
 from kvbench.cache import CacheSettings, CacheStats, KVCache, Phase
-from kvbench.generation import Generation, Prompt, generate, generate_batch, generate_rows, left_padded
+from kvbench.generation import Generation, Prompt, generate, generate_batch, generate_rows, left_padded, stopped
 from kvbench.measure import PeakMemory, Stopwatch
 from kvbench.measurements import cache_measurements, timings
 from kvbench.models import LoadedModel
@@ -229,12 +230,20 @@ class Session:
         """One decode step: feed one token per row (`[rows]`), evict as a decode-time policy must; returns the
         next token's logits `[rows, vocab]`."""
         ids = self._inputs([int(token)] if isinstance(token, int) else token.reshape(self.rows, 1))
-        self._enter(Phase.DECODE)
+        self.begin_step()
         clock = Stopwatch(self.lm.devices)
-        self.logits = self._forward(ids)[:, -1]
-        self._compress()
+        self.end_step(self._forward(ids)[:, -1])
         self.step_s.append(clock.lap())
         return self.logits
+
+    def begin_step(self) -> None:
+        """Before a decode step's forward (this session's own, or a joint step of several: kvbench/joint.py)."""
+        self._enter(Phase.DECODE)
+
+    def end_step(self, logits: torch.Tensor) -> None:
+        """After a decode step's forward: its prediction `[rows, vocab]`, and a decode-time policy's eviction."""
+        self.logits = logits
+        self._compress()
 
     @torch.inference_mode()
     def decode(self, max_new_tokens: int | Sequence[int], eos: set[int],
@@ -362,43 +371,43 @@ class Session:
     def _forward(self, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """Feed `ids` `[rows, n]` after what the cache has seen; the logits `[rows, n, vocab]` of every
         position with `all_logits`, else of the last one only (`[rows, 1, vocab]`)."""
-        cache, lm, first = self.cache, self.lm, self.cache.layers[0]
-        seen, length = first.seen, first.length
+        cache, lm, seen = self.cache, self.lm, self.seen
         positions = torch.arange(seen, seen + ids.shape[1], device=lm.device)[None]
         if cache.left_padding is not None:  # each row counts from its first real token; padding sits at 0
             positions = (positions - cache.left_padding.to(lm.device)[:, None]).clamp(min=0)
-        kwargs: dict[str, Any] = {
-            lm.cache_arg: cache,
-            "position_ids": positions,
-            "use_cache": True,
-            "logits_to_keep": 0 if all_logits else 1,
-            "kv_observer": cache,
-        }
-        if lm.takes_cache_position:  # transformers < 5.2x sizes the mask from cache positions
-            kwargs["cache_position"] = torch.arange(length, length + ids.shape[1], device=lm.device)
-        return lm.model(input_ids=ids, **kwargs).logits
+        return forward(lm, cache, ids, positions, cache.layers[0].length, all_logits)
 
     def _end_answers(self, rows: list[list[int]], going: list[bool], limits: list[int], eos: set[int],
                      stops: list[tuple[str, ...]]) -> None:
         """Mark the rows whose answer just ended (their last token); a batch keeps what each one's record reads."""
         for index, row in enumerate(rows):
-            if going[index] and (row[-1] in eos or len(row) >= limits[index] or self._stopped(row, stops[index])):
+            if going[index] and (row[-1] in eos or len(row) >= limits[index] or stopped(self.lm, row, stops[index])):
                 going[index] = False
                 if self.rows > 1:
                     assert self.logits is not None
                     self.finished[index] = (self.cache.row_stats(index), self.logits[index].clone())
-
-    def _stopped(self, tokens: list[int], stop: tuple[str, ...]) -> bool:
-        if not stop:
-            return False
-        text = cast(str, self.lm.tokenizer.decode(tokens, skip_special_tokens=True))  # one sequence: one text
-        return any(s in text.lstrip() for s in stop)
 
     def _count_fed(self, new: int) -> None:
         """Count `new` tokens about to be fed as each row's own (its left padding is not)."""
         seen = self.seen
         self.row_tokens_fed = [fed + max(0, seen + new - pad) - max(0, seen - pad)
                                for fed, pad in zip(self.row_tokens_fed, self.cache.row_padding, strict=True)]
+
+
+def forward(lm: LoadedModel, cache: Cache, ids: torch.Tensor, positions: torch.Tensor, length: int,
+            all_logits: bool = False) -> torch.Tensor:
+    """The model's forward of `ids` `[rows, n]` at `positions` `[rows, n]` into `cache` (the kvbench attention
+    reads it as `kv_observer`), `length` slots already held; logits as `Session._forward` returns them."""
+    kwargs: dict[str, Any] = {
+        lm.cache_arg: cache,
+        "position_ids": positions,
+        "use_cache": True,
+        "logits_to_keep": 0 if all_logits else 1,
+        "kv_observer": cache,
+    }
+    if lm.takes_cache_position:  # transformers < 5.2x sizes the mask from cache positions
+        kwargs["cache_position"] = torch.arange(length, length + ids.shape[1], device=lm.device)
+    return lm.model(input_ids=ids, **kwargs).logits
 
 
 def _per_row(value: T | Sequence[T], rows: int) -> list[T]:

@@ -23,6 +23,7 @@ from kvbench.batching import batching, prompt_sizes, row_batches, sample_batches
 from kvbench.cells import Cell, cell_task, sharable
 from kvbench.config import SweepConfig
 from kvbench.errors import KvbenchError
+from kvbench.load import run_load
 from kvbench.measure import memory_pressure, tracing
 from kvbench.models import LoadedModel, load_model
 from kvbench.outcomes import FolderOutcomes, Outcomes, Progress
@@ -192,6 +193,11 @@ def run_group(lm: LoadedModel, cells: list[Cell], done: set[tuple[str, str]], ou
         for index, cell in enumerate(cells):
             outcomes.cell(_failure(cell, exc), str(exc) if index == 0 else None)  # told once for the group
         return True
+    for cell in [c for c in cells if "load" in c.description]:
+        if stop():
+            return False
+        _run_load(lm, task, cell, samples, outcomes)
+    cells = [c for c in cells if "load" not in c.description]
     started = {cell.id: time.perf_counter() for cell in cells}
     group = _GroupRun(lm, task, cells, done, outcomes, share, trace, stop)
     for batch in sample_batches(samples, batch_size):
@@ -202,6 +208,25 @@ def run_group(lm: LoadedModel, cells: list[Cell], done: set[tuple[str, str]], ou
             outcomes.cell({"cell_id": cell.id, "cell": cell.description, "status": "ok", "samples": len(samples),
                            "seconds": round(time.perf_counter() - started[cell.id], 3), "finished": now()}, None)
     return True
+
+
+def _run_load(lm: LoadedModel, task: Task, cell: Cell, samples: list[Sample], outcomes: Outcomes) -> None:
+    """A load cell, whole: its records, then its status with what the service measured. A cell cut short runs again
+    whole (its service's times depend on every request), and its later records replace the earlier
+    (`RunFolder.records`)."""
+    started = time.perf_counter()
+    try:
+        records, measured = run_load(lm, task, cell, samples, lambda ended, offered: outcomes.running(
+            f"{cell.label} {ended}/{offered} requests"))
+    except Exception as exc:  # one failing cell never stops the sweep
+        _fail(outcomes, {}, cell, exc)
+        _release_cached_memory()
+        return
+    for row in records:
+        outcomes.record({"cell_id": cell.id, "cell": cell.description, **row,
+                         "dtype": str(lm.dtype).removeprefix("torch.")}, None)
+    outcomes.cell({"cell_id": cell.id, "cell": cell.description, "status": "ok", "samples": len(records),
+                   "seconds": round(time.perf_counter() - started, 3), "finished": now(), **measured}, None)
 
 
 @dataclass

@@ -1,0 +1,65 @@
+"""A load cell: its requests drawn from the task's samples, served (kvbench/serving.py), and its records.
+
+Each finished request is a record as a sample's is (its prediction scored by the task, its cache as its own
+cache held it), with the request's latencies in place of an unloaded run's speed columns and `sample_id`
+`<request>:<sample>`, so that every policy's request k is the same prompt and the summary pairs them. What the
+service measured as a whole (throughput, percentiles, goodput, rejections, the timeline) is the cell's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvbench.cells import Cell
+from kvbench.generation import Generation, Prompt, answer
+from kvbench.measure import PeakMemory
+from kvbench.measurements import MEMORY_PEAKS
+from kvbench.models import LoadedModel
+from kvbench.runner import record
+from kvbench.serving import Load, Service, pool_bytes, service_metrics
+from kvbench.tasks.base import Sample, Task, encode_prompt
+
+
+def cell_load(lm: LoadedModel, cell: Cell) -> Load:
+    """The `Load` a cell's `load` description gives on `lm` (its pool resolved)."""
+    d = cell.description
+    spec = d["load"]
+    return Load(requests=spec["requests"], rate=spec.get("rate"), users=spec.get("users"),
+                pool_bytes=pool_bytes(lm, spec["kv_pool"], spec["pressure"]), timeout_s=spec["timeout_s"],
+                max_queue=spec["max_queue"], horizon_s=spec["horizon_s"], slo_ttft_s=spec["slo"]["ttft_s"],
+                slo_tpot_s=spec["slo"]["tpot_s"], seed=d["seed"])
+
+
+def drawn_samples(samples: list[Sample], count: int, seed: int) -> list[Sample]:
+    """`count` requests' samples: the task's samples in a seeded order, cycled."""
+    order = np.random.default_rng(seed).permutation(len(samples))
+    return [samples[int(order[index % len(samples)])] for index in range(count)]
+
+
+def run_load(lm: LoadedModel, task: Task, cell: Cell, samples: list[Sample],
+             on_step: Callable[[int, int], None] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Serve the cell's requests: the finished requests' records, and the cell's `load` (`service_metrics`) and
+    `timeline` (one entry per decode step)."""
+    d = cell.description
+    policy, settings, load = cell.policy(), cell.settings(), cell_load(lm, cell)
+    drawn = drawn_samples(samples, load.requests, d["seed"])
+    prompts = [Prompt(*encode_prompt(lm.tokenizer, sample), settings.max_new_tokens or sample.max_new_tokens,
+                      sample.stop) for sample in drawn]
+    with PeakMemory(lm.devices) as memory:
+        served = Service(lm, policy, settings, prompts, load, lambda: dataclasses.replace(policy), memory,
+                         on_step).run()
+    records = []
+    for request, sample in zip(served.requests, drawn, strict=True):
+        if request.finished_s is None:
+            continue
+        text, tokens = answer(lm, request.tokens, lm.eos_token_ids, request.prompt.stop)
+        measured = {**request.measured, **request.latencies(),
+                    **{column: getattr(memory, name) for column, name in MEMORY_PEAKS.items()}}  # the service's
+        row = record(lm, task, policy, sample, settings, d["context_length"], d["seed"],
+                     Generation(text, tokens, None, measured))
+        records.append({**row, "sample_id": f"{request.index:04d}:{sample.id}", "request": request.index})
+    return records, {"load": service_metrics(served, load), "timeline": served.timeline}

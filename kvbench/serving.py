@@ -1,0 +1,398 @@
+"""A service under load: requests arrive, wait for room in a pool of KV memory, prefill, join the running batch and
+leave it at their end, on the engine's own sessions.
+
+The scheduler is prefill-then-join, first come first served, as vLLM's default scheduler without chunked prefill:
+between two decode steps it admits the request at the head of the queue when the pool has room for its cache (one
+prefill at a time), runs its prefill alone (a session of one row, so its policy compresses the prompt as it does
+alone), and the request then joins the joint decode step of every running request (kvbench/joint.py). Room is
+judged before the prefill from the request's lengths (`cache_need`: the prompt's full cache while a policy compresses
+it, then what the policy keeps plus the output), and checked after every step against the bytes the running caches
+really hold: a pool outgrown by decoding preempts the newest request, which goes back to the front of the queue and
+is recomputed from its prompt (its answer is its run alone's again; vLLM re-prefills the prompt with the output so
+far, which a prefill-time policy would then compress as prompt). A request waits at most `timeout_s` in the queue,
+the queue holds at most `max_queue`, and nothing runs past `horizon_s`: each request ends finished or rejected, with
+the reason.
+
+Time is the wall clock, except that an idle service skips to the next arrival (nothing runs meanwhile, so no
+measurement changes).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvbench.errors import KvbenchError
+from kvbench.generation import Prompt, stopped
+from kvbench.joint import step_together
+from kvbench.measure import PeakMemory
+from kvbench.models import LoadedModel
+from kvbench.policies.base import Policy
+from kvbench.session import Session
+from kvbench.settings import RunSettings, resolve_budget
+
+
+@dataclass(frozen=True)
+class Load:
+    """How requests arrive and what the service holds: Poisson arrivals at `rate` requests/s, or a closed loop of
+    `users` (each sends its next request when its last one ended); `requests` in all. `pool_bytes` of KV memory
+    (None: unbounded). A request waits in the queue at most `timeout_s`, the queue holds at most `max_queue`, and
+    whatever has not ended by `horizon_s` is rejected. `slo_ttft_s` and `slo_tpot_s`: what a good request meets."""
+
+    requests: int
+    rate: float | None = None
+    users: int | None = None
+    pool_bytes: int | None = None
+    timeout_s: float | None = None
+    max_queue: int | None = None
+    horizon_s: float | None = None
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    seed: int = 0
+
+
+@dataclass
+class Request:
+    """One request and what happened to it; times are seconds since the service started."""
+
+    index: int
+    prompt: Prompt
+    arrival_s: float
+    user: int | None = None
+    admitted_s: float | None = None  # its first admission (a preempted request keeps it)
+    first_token_s: float | None = None  # its first token, as the client received it
+    finished_s: float | None = None
+    tokens: list[int] = field(default_factory=list)
+    preemptions: int = 0
+    rejected: str | None = None  # why it was turned away
+    session: Session | None = None  # while it runs
+    measured: dict[str, Any] = field(default_factory=dict)  # its session's measurements, taken as it finished
+
+    @property
+    def ended(self) -> bool:
+        return self.finished_s is not None or self.rejected is not None
+
+    def latencies(self) -> dict[str, Any]:
+        """The record's latency columns (vLLM's definitions): time to first token from arrival, time per output
+        token after the first, end-to-end latency, time waiting for admission."""
+        assert self.finished_s is not None and self.first_token_s is not None and self.admitted_s is not None
+        generated = len(self.tokens)
+        return {
+            "arrival_s": round(self.arrival_s, 6),
+            "ttft_s": self.first_token_s - self.arrival_s,
+            "tpot_s": (self.finished_s - self.first_token_s) / (generated - 1) if generated > 1 else None,
+            "e2e_s": self.finished_s - self.arrival_s,
+            "queue_s": self.admitted_s - self.arrival_s,
+            "preemptions": self.preemptions,
+        }
+
+
+@dataclass
+class Served:
+    """What a run under load measured: every request (finished or rejected), the service's timeline (one entry per
+    step) and its counters."""
+
+    requests: list[Request]
+    timeline: list[dict[str, Any]]
+    preemptions: int
+    duration_s: float
+    pool_bytes: int | None
+
+
+class _Clock:
+    """Seconds since the start, an idle wait skipped."""
+
+    def __init__(self) -> None:
+        self.start, self.skipped = time.perf_counter(), 0.0
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start + self.skipped
+
+    def skip_to(self, moment: float) -> None:
+        self.skipped += max(0.0, moment - self.now())
+
+
+def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
+    """`count` arrival times of a Poisson process of `rate` per second (exponential gaps), seeded; the first at 0."""
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, count)
+    return [0.0, *np.cumsum(gaps[1:]).tolist()]
+
+
+def cache_need(lm: LoadedModel, policy: Policy, settings: RunSettings, prompt: Prompt) -> int:
+    """Bytes the request's cache needs at its largest, judged from its lengths before it runs: the prompt's whole
+    cache while the policy compresses it beside the buffer it keeps (a chunked prefill: one chunk beyond the
+    budget), or, after it, what the policy keeps plus the output (one eviction period's worth for a decode-time
+    policy, which keeps its budget). A storage layout's savings are not counted ahead."""
+    tokens = len(prompt.context) + len(prompt.question)
+    budget = resolve_budget(settings.budget, tokens)
+    schedule = policy.schedule
+    if budget is None or not schedule.evicts or budget >= tokens:
+        return _bytes(lm, tokens + prompt.max_new_tokens)
+    every = schedule.every or settings.evict_every
+    chunk = settings.prefill_chunk if settings.prefill == "chunked" else tokens
+    prefill = min(tokens, budget + chunk) + budget + max(every, chunk if chunk < tokens else 1)
+    after = budget + (every if schedule.decodes else prompt.max_new_tokens)
+    return _bytes(lm, max(prefill, after))
+
+
+def pool_spec(text: str) -> tuple[int, str]:
+    """A `kv_pool` as a config writes it: `(count, "bytes")` for `512MiB`, `(count, "tokens")` for `4096 tokens`."""
+    from kvbench.estimate import parse_bytes
+
+    words = text.split()
+    if len(words) == 2 and words[1] == "tokens":
+        if not words[0].isdigit() or int(words[0]) < 1:
+            raise KvbenchError(f"kv_pool '{text}': a token count is a positive integer, as '4096 tokens'")
+        return int(words[0]), "tokens"
+    return parse_bytes(text), "bytes"
+
+
+def pool_bytes(lm: LoadedModel, kv_pool: str | None, pressure: float | None) -> int | None:
+    """The KV pool of a load cell on `lm`: `kv_pool` bytes or tokens of a full cache, or `pressure` (a share of the
+    GPU memory free now, after the weights); None: unbounded."""
+    if kv_pool is not None:
+        count, unit = pool_spec(kv_pool)
+        return count if unit == "bytes" else _bytes(lm, count)
+    if pressure is None:
+        return None
+    if lm.device.type != "cuda":
+        raise KvbenchError(f"load pressure {pressure} is a share of free GPU memory: on {lm.device.type}, give "
+                           "kv_pool instead (bytes as 512MiB, or 4096 tokens)")
+    return int(pressure * torch.cuda.mem_get_info(lm.device)[0])
+
+
+def _bytes(lm: LoadedModel, tokens: int) -> int:
+    """A single row's KV bytes for `tokens` entries in every layer (a sliding layer holds its window at most)."""
+    slot = 2 * lm.kv_heads * lm.head_dim * lm.dtype.itemsize
+    return sum(min(tokens, kind.window or tokens) for kind in lm.layer_kinds) * slot
+
+
+class Service:
+    """`prompts` (in arrival order for an open loop) served under `load`, each request with a `fresh_policy()`
+    of `policy`'s at `settings`. Every session's memory peaks are the service's (`memory`, entered by the caller);
+    `on_step` sees the progress (requests ended, offered)."""
+
+    def __init__(self, lm: LoadedModel, policy: Policy, settings: RunSettings, prompts: list[Prompt], load: Load,
+                 fresh_policy: Callable[[], Policy], memory: PeakMemory,
+                 on_step: Callable[[int, int], None] | None = None) -> None:
+        self.lm, self.settings, self.load, self.memory = lm, settings, load, memory
+        self.fresh_policy, self.on_step = fresh_policy, on_step
+        self.eos = lm.eos_token_ids
+        if load.users is None:
+            assert load.rate is not None, "open-loop load needs a rate"
+            times = poisson_arrivals(len(prompts), load.rate, load.seed)
+            self.requests = [Request(i, p, t) for i, (p, t) in enumerate(zip(prompts, times, strict=True))]
+        else:  # a closed loop: each user's first request at 0, the next when the last one ended
+            self.requests = [Request(i, p, 0.0 if i < load.users else float("inf"), user=i % load.users)
+                             for i, p in enumerate(prompts)]
+        self.needs = [cache_need(lm, policy, settings, p) for p in prompts]
+        self.queue: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the newest is preempted first
+        self.unarrived = deque(self.requests)
+        self.timeline: list[dict[str, Any]] = []
+        self.preemptions = 0
+        self.clock = _Clock()
+
+    def run(self) -> Served:
+        clock, told = self.clock, -1
+        while any(not r.ended for r in self.requests):
+            now = clock.now()
+            if self.load.horizon_s is not None and now >= self.load.horizon_s:
+                self._cut_at_horizon()
+                break
+            self._arrive(now)
+            self._time_out(now)
+            admitted = self._admit()
+            if self.running:
+                self._step()
+            elif not admitted and not self.queue:
+                clock.skip_to(self._next_arrival())
+            ended = sum(r.ended for r in self.requests)
+            if self.on_step and ended != told:
+                self.on_step(ended, len(self.requests))
+                told = ended
+        return Served(self.requests, self.timeline, self.preemptions, clock.now(), self.load.pool_bytes)
+
+    # --- the queue -------------------------------------------------------------------------------------
+    def _next_arrival(self) -> float:
+        return self.unarrived[0].arrival_s if self.unarrived else self.clock.now()
+
+    def _arrive(self, now: float) -> None:
+        while self.unarrived and self.unarrived[0].arrival_s <= now:
+            request = self.unarrived.popleft()
+            if self.load.max_queue is not None and len(self.queue) >= self.load.max_queue:
+                self._reject(request, "queue full")
+            else:
+                self.queue.append(request)
+
+    def _time_out(self, now: float) -> None:
+        timeout = self.load.timeout_s
+        if timeout is None:
+            return
+        for request in [r for r in self.queue if r.admitted_s is None and now - r.arrival_s > timeout]:
+            self.queue.remove(request)
+            self._reject(request, "timed out in the queue")
+
+    def _reject(self, request: Request, why: str) -> None:
+        request.rejected = why
+        self._ended(request)
+
+    def _ended(self, request: Request) -> None:
+        """A closed loop's user sends its next request now."""
+        if request.user is None:
+            return
+        following = next((r for r in self.unarrived if r.user == request.user), None)
+        if following is not None:
+            following.arrival_s = self.clock.now()
+            self.unarrived = deque(sorted(self.unarrived, key=lambda r: r.arrival_s))
+
+    def _cut_at_horizon(self) -> None:
+        for request in [*self.running, *self.queue, *self.unarrived]:
+            request.session = None
+            request.rejected = "not ended by the horizon"
+        self.running, self.queue, self.unarrived = [], deque(), deque()
+
+    # --- admission and prefill ---------------------------------------------------------------------------
+    def held_bytes(self) -> int:
+        return sum(r.session.cache.physical_bytes() for r in self.running if r.session is not None)
+
+    def _admit(self) -> bool:
+        """Prefill the head of the queue if the pool has room for it; one that could never fit is rejected."""
+        if not self.queue:
+            return False
+        request, pool = self.queue[0], self.load.pool_bytes
+        need = self.needs[request.index]
+        if pool is not None and self.held_bytes() + need > pool:
+            if not self.running:
+                self.queue.popleft()
+                self._reject(request, f"needs {need} bytes, over the pool of {pool}")
+            return False
+        self.queue.popleft()
+        if request.admitted_s is None:
+            request.admitted_s = self.clock.now()
+        request.session = self._prefill(request.prompt)
+        first = int(request.session.logits.argmax(-1)[0])  # type: ignore[union-attr]
+        request.tokens = [first]
+        if request.first_token_s is None:
+            request.first_token_s = self.clock.now()
+        self.running.append(request)
+        self._finish_ended()
+        return True
+
+    def _prefill(self, prompt: Prompt) -> Session:
+        """The request's own session, its prompt fed as `generate` feeds it (the question after compression with
+        `question: agnostic`)."""
+        agnostic = self.settings.question == "agnostic"
+        session = Session(self.lm, self.fresh_policy(), self.settings,
+                          prompt_tokens=len(prompt.context) + len(prompt.question),
+                          arrival=len(prompt.question) if agnostic else 1,
+                          adds=prompt.max_new_tokens + (len(prompt.question) if agnostic else 0))
+        session.memory = self.memory
+        with torch.inference_mode():
+            session.prefill(prompt.context if agnostic else prompt.context + prompt.question)
+            if agnostic and prompt.question:
+                session.append(prompt.question)
+        return session
+
+    # --- decoding -----------------------------------------------------------------------------------------
+    def _step(self) -> None:
+        """One joint decode step of the running requests, then the ends it reached and the pool's check."""
+        sessions = [r.session for r in self.running]
+        assert all(s is not None for s in sessions)
+        evicted = [s.cache.evictions for s in sessions]  # type: ignore[union-attr]
+        logits = step_together(sessions, [r.tokens[-1] for r in self.running])  # type: ignore[arg-type]
+        for request, token in zip(self.running, logits.argmax(-1).tolist(), strict=True):
+            request.tokens.append(int(token))
+        held = self.held_bytes()
+        self.timeline.append({
+            "t_s": round(self.clock.now(), 6),
+            "running": len(self.running),
+            "queued": len(self.queue),
+            "pool_bytes": held,
+            "evictions": sum(s.cache.evictions for s in sessions) - sum(evicted),  # type: ignore[union-attr]
+            "kept_mean": float(np.mean([s.cache.stats().kept_mean for s in sessions])),  # type: ignore[union-attr]
+        })
+        self._finish_ended()
+        self._preempt()
+
+    def _finish_ended(self) -> None:
+        for request in [r for r in self.running if self._answered(r)]:
+            self.running.remove(request)
+            request.finished_s = self.clock.now()
+            session = request.session
+            assert session is not None
+            session.generated_tokens = len(request.tokens)
+            request.measured, request.session = session.measurements(), None
+            self._ended(request)
+
+    def _answered(self, request: Request) -> bool:
+        tokens, prompt = request.tokens, request.prompt
+        return tokens[-1] in self.eos or len(tokens) >= prompt.max_new_tokens or stopped(self.lm, tokens, prompt.stop)
+
+    def _preempt(self) -> None:
+        """While the running caches outgrow the pool, the newest request goes back to the front of the queue, to be
+        recomputed from its prompt; a request that outgrows the pool alone is rejected."""
+        pool = self.load.pool_bytes
+        while pool is not None and self.running and self.held_bytes() > pool:
+            newest = self.running.pop()
+            newest.session, newest.tokens = None, []
+            if not self.running:
+                self._reject(newest, f"outgrew the pool of {pool} bytes alone")
+                return
+            newest.preemptions += 1
+            self.preemptions += 1
+            self.queue.appendleft(newest)
+
+
+def percentiles(values: list[float], name: str) -> dict[str, float | None]:
+    """`<name>_p50`, `_p90` and `_p99` of `values` (None where there are none)."""
+    return {f"{name}_p{q}": float(np.percentile(values, q)) if values else None for q in (50, 90, 99)}
+
+
+def service_metrics(served: Served, load: Load) -> dict[str, Any]:
+    """A load cell's service columns: what was offered, finished, rejected (by why) and preempted; throughput;
+    TTFT, TPOT, end-to-end latency and queue wait at p50 / p90 / p99; goodput (finished requests per second that
+    met the SLO: every bound given) and SLO attainment; concurrency and pool use over the steps (mean, peak)."""
+    finished = [r for r in served.requests if r.finished_s is not None]
+    latency = [r.latencies() for r in finished]
+    duration = max(served.duration_s, 1e-9)
+
+    def good(row: dict[str, Any]) -> bool:
+        tpot = row["tpot_s"] or 0.0
+        return (load.slo_ttft_s is None or row["ttft_s"] <= load.slo_ttft_s) and \
+            (load.slo_tpot_s is None or tpot <= load.slo_tpot_s)
+
+    met = sum(map(good, latency))
+    rejected: dict[str, int] = {}
+    for request in served.requests:
+        if request.rejected is not None:
+            reason = request.rejected.split(",")[0]
+            rejected[reason] = rejected.get(reason, 0) + 1
+    steps = served.timeline
+    return {
+        "offered": len(served.requests),
+        "finished": len(finished),
+        "rejected": sum(rejected.values()),
+        "rejected_why": rejected,
+        "preemptions": served.preemptions,
+        "duration_s": served.duration_s,
+        "request_rate": len(finished) / duration,
+        "output_tok_s": sum(len(r.tokens) for r in finished) / duration,
+        "goodput": met / duration,
+        "slo_attained": met / len(served.requests) if served.requests else None,
+        **percentiles([row["ttft_s"] for row in latency], "ttft"),
+        **percentiles([row["tpot_s"] for row in latency if row["tpot_s"] is not None], "tpot"),
+        **percentiles([row["e2e_s"] for row in latency], "e2e"),
+        **percentiles([row["queue_s"] for row in latency], "queue"),
+        "concurrency_mean": float(np.mean([s["running"] for s in steps])) if steps else 0.0,
+        "concurrency_peak": max((s["running"] for s in steps), default=0),
+        "pool_bytes": served.pool_bytes,
+        "pool_used_mean": float(np.mean([s["pool_bytes"] for s in steps])) if steps else 0.0,
+        "pool_used_peak": max((s["pool_bytes"] for s in steps), default=0),
+    }
