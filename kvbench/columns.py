@@ -10,7 +10,8 @@ from typing import Any
 from kvbench.estimate import human_bytes
 
 # how the summary turns a cell's records into its row (None: the records keep the column, the summary does not)
-AGGREGATES = ("mean", "mean_ci", "min", "max", "paired", "score")
+# ("service": taken from a load cell's status, what its service measured as a whole: kvbench/serving.py)
+AGGREGATES = ("mean", "mean_ci", "min", "max", "paired", "score", "service")
 # what the gate does with a column: keeps it in the baseline (`kept`), fails on a relative rise (`memory`), on a
 # fall of its ratio to full's in the same run (`speed`), on a paired per-sample rise (`fidelity`)
 GATE_ROLES = ("kept", "memory", "speed", "fidelity")
@@ -57,6 +58,10 @@ def _ratio(heading: str = "cache ratio") -> dict[str, Display]:
     return {"markdown": Display(heading, ".3f"), "terminal": Display(heading, ".3f"),
             "html": Display(heading, ".3g"), "latex": Display(heading, ".2f")}
 
+
+# the load percentiles the markdown tables show
+SHOWN_PERCENTILES = {("ttft", 99): Display("ttft p99 s", ".2f", when_above=-1),
+                     ("tpot", 50): Display("tpot p50 ms", ".0f", 1000, when_above=-1)}
 
 # the summary's columns in summary.csv's order, then what records hold that the summary leaves alone
 COLUMNS = [
@@ -123,6 +128,38 @@ COLUMNS = [
                   "reason": Display("of the answers ≤0.67× full's length", ".0%")}),
     Column("delta_vs_full", "task's unit", "summary", "paired", better="higher",
            shown={"latex": Display(r"$\Delta$ vs full", ".2f")}),
+    # a load cell's service as a whole (kvbench/serving.py), shown where a run has one
+    Column("goodput", "requests/s", "serving", "service", better="higher", axis="goodput (requests/s within the SLO)",
+           shown={"markdown": Display("goodput/s", ".2f", when_above=-1), "html": Display("goodput/s", ".3g",
+                                                                                         when_above=-1)}),
+    Column("request_rate", "requests/s", "serving", "service", better="higher",
+           shown={"markdown": Display("done/s", ".2f", when_above=-1)}),
+    Column("output_tok_s", "tokens/s", "serving", "service", better="higher"),
+    Column("slo_attained", "fraction", "serving", "service", better="higher"),
+    *(Column(f"{name}_p{q}", "s", "serving", "service", better="lower",
+             axis=f"p{q} {label} (s)" if q == 99 else "",
+             shown={"markdown": SHOWN_PERCENTILES[name, q]} if (name, q) in SHOWN_PERCENTILES else {})
+      for name, label in (("ttft", "time to first token"), ("tpot", "time per output token"), ("e2e", "latency"),
+                          ("queue", "queue wait")) for q in (50, 90, 99)),
+    Column("load_rate", "requests/s", "summary", axis="arrival rate (requests/s)"),
+    Column("concurrency_mean", "requests", "serving", "service",
+           shown={"markdown": Display("running", ".1f", when_above=-1)}),
+    Column("concurrency_peak", "requests", "serving", "service"),
+    Column("rejected", "requests", "serving", "service", better="lower",
+           shown={"markdown": Display("rejected", ".0f", when_above=0)}),
+    Column("preemptions", "requests", "serving", "service", better="lower",
+           shown={"markdown": Display("preempted", ".0f", when_above=0)}),
+    Column("offered", "requests", "serving", "service"),
+    Column("finished", "requests", "serving", "service"),
+    Column("duration_s", "s", "serving", "service"),
+    Column("pool_bytes", "bytes", "serving", "service"),
+    Column("pool_used_mean", "bytes", "serving", "service"),
+    Column("pool_used_peak", "bytes", "serving", "service"),
+    # a request's own times under load (its record's ttft_s and tpot_s are from its arrival, as vLLM's)
+    Column("arrival_s", "s", "serving"),
+    Column("e2e_s", "s", "serving"),
+    Column("queue_s", "s", "serving"),
+    Column("request", "index", "serving"),
     Column("generated_tokens", "tokens", "measurements"),  # the summary pairs it into length_ratio
     Column("prompt_tokens", "tokens", "measurements"),
     Column("kv_bytes_physical", "bytes", "cache"),
@@ -157,11 +194,12 @@ COLUMNS = [
 BY_NAME = {column.name: column for column in COLUMNS}
 # which columns each rendered table shows, in its order (a column's `shown` says how it reads there)
 VIEWS = {
-    "markdown": ("cache_ratio", "read_ratio", "kv_bytes_peak", "ttft_s", "tpot_s", "batch_size", "length_ratio",
+    "markdown": ("cache_ratio", "read_ratio", "kv_bytes_peak", "ttft_s", "tpot_s", "batch_size", "goodput",
+                 "request_rate", "ttft_p99", "tpot_p50", "concurrency_mean", "rejected", "preemptions", "length_ratio",
                  "length_longer", "length_shorter", "segments_split", "leak"),
     "terminal": ("cache_ratio", "read_ratio", "kv_bytes_peak", "kv_bytes_live", "ttft_s", "tpot_s"),
     "sweep": ("cache_ratio", "read_ratio", "kv_bytes_peak"),
-    "html": ("cache_ratio", "kv_bytes_peak", "ttft_s", "tpot_s", "batch_size", "kl_mean", "top1_agreement",
+    "html": ("cache_ratio", "kv_bytes_peak", "ttft_s", "tpot_s", "batch_size", "goodput", "kl_mean", "top1_agreement",
              "attn_recall", "length_ratio", "length_longer", "length_shorter", "segments_split", "leak"),
     "latex": ("score", "delta_vs_full", "cache_ratio", "kv_bytes_peak", "ttft_s", "tpot_s"),
     # what a recommendation's reasoning names where the chosen cell holds more than full (each is lower-is-better;

@@ -18,6 +18,7 @@ from kvbench.budgets import budget_order, budget_suffix, budget_text
 from kvbench.columns import column as declared
 from kvbench.columns import spread
 from kvbench.errors import KvbenchError
+from kvbench.load_plots import load_figures
 from kvbench.results import MANIFEST, RunFolder
 from kvbench.summary import model_facets, param_text, summarize, task_key, task_labels
 
@@ -103,7 +104,8 @@ def figures(run: str | Path, style: str = "default", log_x: bool = False, x: str
     frame = summarize(run, write=False)
     if frame.empty:
         raise KvbenchError(f"{run}: no records to plot")
-    records = RunFolder(run).records()
+    folder = RunFolder(run)
+    records, statuses = folder.records(), folder.cells()
     labels = task_labels([r["cell"]["task"] for r in records])
     for record in records:
         record["task_label"] = labels[task_key(record["cell"]["task"])]
@@ -111,20 +113,21 @@ def figures(run: str | Path, style: str = "default", log_x: bool = False, x: str
     with plt.rc_context({**STYLES[style], "figure.max_open_warning": 0}):
         facets = model_facets(frame)
         if len(facets) == 1:  # one model: the figures as they always were
-            return _figures(plt, frame, records, style, log_x, axis)
+            return _figures(plt, frame, records, style, log_x, axis, statuses)
         out: dict[str, Any] = {}
         for facet, rows in facets:
             cells = set(rows["cell_id"])
             for name, figure in _figures(plt, rows, [r for r in records if r["cell_id"] in cells], style,
-                                         log_x, axis).items():
+                                         log_x, axis, statuses).items():
                 figure.suptitle(facet, y=1.02)
                 out[f"{name} {facet}"] = figure
         return out
 
 
 def _figures(plt, frame: pd.DataFrame, records: list[dict[str, Any]], style: str, log_x: bool,
-             x: XAxis = X_AXES["stored"]) -> dict[str, Any]:
-    """The figures of one model's summary rows and records, the curves against `x`."""
+             x: XAxis = X_AXES["stored"], statuses: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The figures of one model's summary rows and records (and its cells' `statuses`), the curves against `x`."""
+    statuses = statuses or {}
     out: dict[str, Any] = {}
     suffix = "" if x.name == "ratio" else "_read"  # score_vs_ratio / score_vs_read, score_vs_bytes / _read_bytes
     for task, rows in frame.groupby("task", sort=False):
@@ -146,6 +149,8 @@ def _figures(plt, frame: pd.DataFrame, records: list[dict[str, Any]], style: str
             out[f"kl_vs_position_{task}"] = _nll_curves(plt, fidelity, style, "kl_by_position",
                                                         "KL(full || policy), smoothed", "generated token")
             out[f"recall_by_layer_{task}"] = _recall_by_layer(plt, fidelity, style)
+    out.update(load_figures(plt, frame, statuses, lambda count: _panels(plt, count, style), policy_colour,
+                            _series_label))
     out["memory_vs_context"] = _memory(plt, frame, style)
     out["speed_vs_budget"] = _speed(plt, frame, style)
     out["pareto" + suffix] = _pareto(plt, frame, style, x)

@@ -99,8 +99,9 @@ def summarize(run: str | Path, write: bool = True) -> pd.DataFrame:
     labels = task_labels([json.loads(key) for key in frame["_task"]])
     frame["task"] = frame.pop("_task").map(labels)
     _paired_deltas(frame, records)
-    frame = frame.sort_values([*MODEL_AXES, "task", "context_length", "question", "prefill", "policy", "budget_order",
-                               "params", "memory"], kind="stable").drop(columns=["budget_order"]).reset_index(drop=True)
+    order = [*MODEL_AXES, "task", "context_length", "question", "prefill", "policy", "budget_order", "params", "memory",
+             "load"]
+    frame = frame.sort_values(order, kind="stable").drop(columns=["budget_order"]).reset_index(drop=True)
     if write:
         path = Path(run)
         frame.drop(columns=["_scores"]).to_csv(path / "summary.csv", index=False)
@@ -166,6 +167,8 @@ def _row(cell_id: str, records: list[dict[str, Any]], status: dict[str, Any] | N
         # a threshold cell's threshold (NaN for other budgets): its cache_ratio is what the threshold achieved
         "threshold": threshold.value if (threshold := threshold_from(budget)) else float("nan"),
         "memory": _memory_label(cell.get("memory")),
+        "load": load_label(cell.get("load")),
+        "load_rate": (cell.get("load") or {}).get("rate", float("nan")),  # a load cell's arrivals, requests/s
         "budget_order": budget_order(budget_text(budget)),
         "status": status["status"] if status else "partial",
         # perplexity: lower is better; every other task's score: a fraction where higher is better
@@ -183,6 +186,10 @@ def _row(cell_id: str, records: list[dict[str, Any]], status: dict[str, Any] | N
     row["_lengths"] = {r["sample_id"]: r["generated_tokens"] for r in records if r.get("generated_tokens")}
     for column in aggregated_columns():
         row.update(AGGREGATORS[str(column.aggregate)](column, records))
+    service = (status or {}).get("load", {})
+    for column in columns.aggregated("service"):
+        value = service.get(column.record_key)
+        row[column.name] = float("nan") if value is None else value
     if status and status.get("message"):
         row["message"] = status["message"]
     return row
@@ -241,6 +248,16 @@ def _memory_label(memory: dict[str, Any] | None) -> str:
         return f"{memory['pressure']:.0%} taken"
     return f"limit {human_bytes(memory['limit_bytes'])}"
 
+
+
+def load_label(load: dict[str, Any] | None) -> str:
+    """A load cell's arrivals and pool: `2 req/s, pool 350 KiB`; `-` for any other cell."""
+    if load is None:
+        return "-"
+    arrivals = f"{load['rate']:g} req/s" if "rate" in load else f"{load['users']} users"
+    pool = f"pool {load['kv_pool']}" if load["kv_pool"] else f"pool {load['pressure']:.0%} free" \
+        if load["pressure"] else "no pool"
+    return f"{arrivals}, {pool}"
 
 
 def _paired_deltas(frame: pd.DataFrame, records: list[dict[str, Any]]) -> None:
@@ -308,12 +325,15 @@ def _markdown_tables(frame: pd.DataFrame, heading: str) -> list[str]:
             ["task", "context_length", "question", "prefill"], sort=False):
         direction = "" if group["higher_is_better"].all() else " (score: lower is better)"
         pressure = (group["memory"] != "-").any()  # memory-pressure cells: say under which condition
+        loaded = (group["load"] != "-").any()
         shown = [(c, d) for c, d in view("markdown") if c.name in group
                  and (d.when_above is None or (group[c.name] > d.when_above).any())]
         lines += [f"## {heading}{task}, {length} tokens, question {question}, prefill {prefill}{direction}", "",
-                  "| policy | params | budget |" + (" memory |" if pressure else "") + " n | score | delta vs full | "
-                  + "".join(f"{d.heading} | " for _, d in shown).rstrip() + " status |",
-                  "|---|---|---|" + ("---|" if pressure else "") + "---:|---:|---:|" + "---:|" * len(shown) + "---|"]
+                  "| policy | params | budget |" + (" memory |" if pressure else "") + (" load |" if loaded else "")
+                  + " n | score | delta vs full | " + "".join(f"{d.heading} | " for _, d in shown).rstrip()
+                  + " status |",
+                  "|---|---|---|" + ("---|" if pressure else "") + ("---|" if loaded else "") + "---:|---:|---:|"
+                  + "---:|" * len(shown) + "---|"]
         for _, r in group.iterrows():
             delta = "" if pd.isna(r["delta_vs_full"]) else \
                 f"{r['delta_vs_full']:+.2f} [{r['delta_ci_low']:+.2f}, {r['delta_ci_high']:+.2f}]"
@@ -321,8 +341,12 @@ def _markdown_tables(frame: pd.DataFrame, heading: str) -> list[str]:
                 f"{r['score']:.2f} [{r['score_ci_low']:.2f}, {r['score_ci_high']:.2f}]"
             lines.append(
                 f"| {r['policy']} | {r['params']} | {r['budget']} |" + (f" {r['memory']} |" if pressure else "")
+                + (f" {r['load']} |" if loaded else "")
                 + f" {r['n']} | {score} | {delta} | " + "".join(f"{_cell_text(r, c.name, d)} | " for c, d in shown)
                 .rstrip() + f" {r['status']} |")
+        if loaded:
+            lines += ["", "Under load (kvbench/serving.py): ttft and tpot are each request's from its arrival; goodput "
+                          "counts the requests per second that met the SLO; n counts the finished requests."]
         if "batch_size" in {c.name for c, _ in shown}:
             lines += ["", "ttft and tpot are each batch's (every sample of a batch waits them); speeds of cells of "
                           "different batch sizes do not compare."]

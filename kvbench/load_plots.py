@@ -1,0 +1,59 @@
+"""The figures of load cells: goodput and p99 time to first token against the arrival rate, a line per policy and
+budget, and each rate's timeline of what the service held (running requests, KV pool use, queue)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from kvbench.columns import column as declared
+
+
+def load_figures(plt, frame: pd.DataFrame, statuses: dict[str, dict[str, Any]], panels, colour, label
+                 ) -> dict[str, Any]:
+    """Name -> figure for the load cells of `frame` (none without them). `statuses`: the cells' final status lines
+    (their timelines); `panels(count)` makes a row of axes, `colour(policy)` and `label(row)` as the other figures'."""
+    loaded = frame[frame["load_rate"].notna()]
+    if loaded.empty:
+        return {}
+    out: dict[str, Any] = {}
+    for task, rows in loaded.groupby("task", sort=False):
+        figure, axes = panels(2)
+        for axis, measure in ((axes[0], "goodput"), (axes[1], "ttft_p99")):
+            for (name, budget), series in rows.groupby([rows.apply(label, axis=1), "budget"], sort=False):
+                series = series.sort_values("load_rate")
+                axis.plot(series["load_rate"], series[measure], marker="o", alpha=0.8,
+                          color=colour(series["policy"].iloc[0]), label=name if budget == "-" else f"{name} b={budget}")
+            axis.set(xlabel=declared("load_rate").axis, ylabel=declared(measure).axis)
+            axis.grid(alpha=0.3)
+        axes[0].legend(fontsize="x-small")
+        figure.tight_layout()
+        out[f"load_vs_rate_{task}"] = figure
+        for rate, at_rate in rows.groupby("load_rate", sort=True):
+            out[f"load_timeline_{task}_rate_{rate:g}"] = _timeline(at_rate, statuses, panels, colour, label)
+    return out
+
+
+def _timeline(rows: pd.DataFrame, statuses: dict[str, dict[str, Any]], panels, colour, label):
+    """Running requests, KV pool use and queue length over one rate's service time, a line per cell."""
+    figure, axes = panels(3)
+    for _, row in rows.iterrows():
+        steps = statuses.get(row["cell_id"], {}).get("timeline") or []
+        if not steps:
+            continue
+        seconds = np.array([step["t_s"] for step in steps])
+        name = label(row) if row["budget"] == "-" else f"{label(row)} b={row['budget']}"
+        for axis, key, scale in ((axes[0], "running", 1.0), (axes[1], "pool_bytes", 2**-20), (axes[2], "queued", 1.0)):
+            axis.step(seconds, np.array([step[key] for step in steps]) * scale, where="post", alpha=0.8,
+                      color=colour(row["policy"]), label=name)
+    for axis, ylabel in zip(axes, ("running requests", "KV pool used (MiB)", "queued requests"), strict=True):
+        axis.set(xlabel="service time (s)", ylabel=ylabel)
+        axis.grid(alpha=0.3)
+    pool = rows["pool_bytes"].dropna()
+    if not pool.empty:
+        axes[1].axhline(float(pool.iloc[0]) / 2**20, color="grey", linestyle="--", label="pool")
+    axes[0].legend(fontsize="x-small")
+    figure.tight_layout()
+    return figure
