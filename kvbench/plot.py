@@ -18,7 +18,7 @@ from kvbench.budgets import budget_order, budget_suffix, budget_text
 from kvbench.columns import column as declared
 from kvbench.columns import spread
 from kvbench.errors import KvbenchError
-from kvbench.load_plots import load_figures
+from kvbench.load_report import load_figures
 from kvbench.results import MANIFEST, RunFolder
 from kvbench.summary import model_facets, param_text, summarize, task_key, task_labels
 

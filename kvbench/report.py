@@ -45,7 +45,8 @@ __all__ = [
 
 # the figures that answer "what does compression cost", in this order, open; the rest collapsed below the tables
 KEY_FIGURES = ["score_vs_ratio", "score_vs_bytes", "needle_heatmaps", "pareto", "kl_vs_ratio"]
-FIGURE_ORDER = [*KEY_FIGURES, "recall_vs_ratio", "nll_vs_position", "kl_vs_position", "recall_by_layer",
+FIGURE_ORDER = [*KEY_FIGURES, "load_vs_rate", "load_timeline",
+                "recall_vs_ratio", "nll_vs_position", "kl_vs_position", "recall_by_layer",
                 "memory_vs_context", "speed_vs_budget"]
 
 
@@ -70,7 +71,7 @@ def html_report(run: str | Path, max_drop: float = 2.0) -> Path:
         f"<h1>{html.escape(title)}</h1>", f"<p class='facts'>{html.escape(_run_line(frame, manifest))}</p>",
         "<section class='answer' id='answer'><div>",
         f"<h2>What to run (the smallest cache within {max_drop:g} points of full at the 95% CI's low end)</h2>",
-        *_answer(frame, max_drop), *_advice_section(frame, max_drop), "</div>",
+        *_answer(frame, max_drop), *_advice_section(frame, max_drop), *_load_section(frame), "</div>",
         *([figure(*lead)] if lead else []), "</section>",
         "<h2>Figures</h2>", "<div class='figures'>", *(figure(*image) for image in key), "</div>",
         "<h2>Tables</h2>",
@@ -183,6 +184,18 @@ def _advice_section(frame: pd.DataFrame, max_drop: float) -> list[str]:
     if not lines:
         return []
     return [f"<h3>What to run, by scenario (max drop {max_drop:g} points on every task of the scenario)</h3><ul>",
+            *(f"<li>{html.escape(line)}</li>" for line in lines), "</ul>"]
+
+
+def _load_section(frame: pd.DataFrame) -> list[str]:
+    """Under load: the rate each setting sustains at the SLO (kvbench/load_report.py)."""
+    from kvbench.load_report import SUSTAINED, sustained_lines
+    from kvbench.plot import _series_label
+
+    lines = sustained_lines(frame, _series_label)
+    if not lines:
+        return []
+    return [f"<h3>Under load (sustained: at least {SUSTAINED:.0%} of the requests finished within the SLO)</h3><ul>",
             *(f"<li>{html.escape(line)}</li>" for line in lines), "</ul>"]
 
 

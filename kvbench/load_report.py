@@ -1,5 +1,6 @@
-"""The figures of load cells: goodput and p99 time to first token against the arrival rate, a line per policy and
-budget, and each rate's timeline of what the service held (running requests, KV pool use, queue)."""
+"""What a report shows of load cells: goodput and p99 time to first token against the arrival rate, a line per policy
+and budget; each rate's timeline of what the service held (running requests, KV pool use, queue); and the rate each
+setting sustains at the SLO, in a sentence."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import numpy as np
 import pandas as pd
 
 from kvbench.columns import column as declared
+
+# a rate is sustained when at least this share of its offered requests finished within the SLO
+SUSTAINED = 0.9
 
 
 def load_figures(plt, frame: pd.DataFrame, statuses: dict[str, dict[str, Any]], panels, colour, label
@@ -57,3 +61,23 @@ def _timeline(rows: pd.DataFrame, statuses: dict[str, dict[str, Any]], panels, c
     axes[0].legend(fontsize="x-small")
     figure.tight_layout()
     return figure
+
+
+def sustained_lines(frame: pd.DataFrame, label) -> list[str]:
+    """Per task and setting (policy, parameters, budget) of the load cells, the highest arrival rate at which at
+    least `SUSTAINED` of the requests finished within the SLO, with its goodput, p99 TTFT and mean score."""
+    loaded = frame[frame["load_rate"].notna()]
+    lines = []
+    for task, rows in loaded.groupby("task", sort=False):
+        for (name, budget), series in rows.groupby([rows.apply(label, axis=1), "budget"], sort=False):
+            setting = name if budget == "-" else f"{name} at {budget}"
+            held = series[series["slo_attained"] >= SUSTAINED].sort_values("load_rate")
+            if held.empty:
+                lines.append(f"{task}: {setting} sustains none of the rates run at the SLO (lowest: "
+                             f"{series['load_rate'].min():g} req/s).")
+                continue
+            best = held.iloc[-1]
+            lines.append(f"{task}: {setting} sustains {best['load_rate']:g} req/s at the SLO (goodput "
+                         f"{best['goodput']:.2f}/s, p99 TTFT {best['ttft_p99']:.2f} s, {best['preemptions']:.0f} "
+                         f"preempted, {best['rejected']:.0f} rejected; score {best['score']:.2f}).")
+    return lines
