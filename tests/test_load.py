@@ -1,0 +1,198 @@
+"""Serving under load: the joint decode step, the scheduler's accounts, load cells in a sweep."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from kvbench.generation import Prompt, answer, generate
+from kvbench.joint import step_together
+from kvbench.measure import PeakMemory
+from kvbench.models import load_model
+from kvbench.policies import build_policy
+from kvbench.results import RunFolder
+from kvbench.serving import Load, Service, service_metrics
+from kvbench.session import RunSettings, Session
+from kvbench.summary import summarize
+from tests.conftest import random_ids
+from tests.helpers import assert_rejected_in_one_line
+from tests.test_sweep import sweep, write_config
+
+SETTINGS = {"full": None, "window": 16, "h2o": 16, "streaming_llm": 16, "snapkv": 40}
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3():
+    return load_model("random:tiny-gemma3", dtype="float32", device="cpu")
+
+
+def _prefilled(lm, name: str, prompt: list[int]) -> Session:
+    session = Session(lm, build_policy(name, {}), RunSettings(budget=SETTINGS[name]), prompt_tokens=len(prompt),
+                      adds=12)
+    session.prefill(prompt)
+    return session
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_gemma3"])
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_a_joint_step_is_each_requests_run_alone(request, model, name):
+    """Rows of different lengths join a running batch at different steps: each row's tokens, logits and cache
+    accounts are its run alone's (a sliding-window model too)."""
+    lm = request.getfixturevalue(model)
+    prompts = [random_ids(n, seed=n) for n in (40, 23, 77)]
+    alone = []
+    for prompt in prompts:
+        session = _prefilled(lm, name, prompt)
+        tokens, logits = [int(session.logits.argmax())], []
+        for _ in range(8):
+            logits.append(session.step(tokens[-1])[0])
+            tokens.append(int(logits[-1].argmax()))
+        alone.append((tokens, torch.stack(logits), session.cache.stats()))
+    sessions = [_prefilled(lm, name, prompt) for prompt in prompts]
+    tokens = [[int(s.logits.argmax())] for s in sessions]
+    logits: list[list[torch.Tensor]] = [[], [], []]
+    for step in range(11):  # the first two leave after step 7; the third joins at step 3
+        rows = [row for row in range(3) if (row < 2 and step < 8) or (row == 2 and step >= 3)]
+        out = step_together([sessions[row] for row in rows], [tokens[row][-1] for row in rows])
+        for index, row in enumerate(rows):
+            logits[row].append(out[index])
+            tokens[row].append(int(out[index].argmax()))
+    for row, (want_tokens, want_logits, want_stats) in enumerate(alone):
+        assert tokens[row] == want_tokens
+        torch.testing.assert_close(torch.stack(logits[row]), want_logits)
+        assert sessions[row].cache.stats() == want_stats
+
+
+def _prompts(lm, count: int, max_new_tokens: int = 6) -> list[Prompt]:
+    return [Prompt(random_ids(30 + 7 * (i % 5), seed=100 + i), [], max_new_tokens) for i in range(count)]
+
+
+def _serve(lm, name: str, prompts: list[Prompt], load: Load, budget=None):
+    settings = RunSettings(budget=budget)
+    with PeakMemory(lm.devices) as memory:
+        return Service(lm, build_policy(name, {}), settings, prompts, load, lambda: build_policy(name, {}),
+                       memory).run()
+
+
+def _alone(lm, name: str, prompt: Prompt, budget=None) -> list[int]:
+    """The request's answer tokens run alone (without the end of sequence that ended it)."""
+    return generate(lm, build_policy(name, {}), prompt.context, prompt.question, RunSettings(budget=budget),
+                    prompt.max_new_tokens).tokens
+
+
+def _answer(lm, request) -> list[int]:
+    return answer(lm, request.tokens, lm.eos_token_ids, request.prompt.stop)[1]
+
+
+def test_a_service_answers_every_request_as_it_runs_alone(tiny_llama):
+    prompts = _prompts(tiny_llama, 8)
+    slot = 2 * tiny_llama.kv_heads * tiny_llama.head_dim * 4 * tiny_llama.num_layers
+    served = _serve(tiny_llama, "window", prompts, Load(requests=8, rate=50.0, pool_bytes=3 * 40 * slot), budget=16)
+    assert all(r.finished_s is not None for r in served.requests)
+    assert max(step["running"] for step in served.timeline) > 1  # requests ran together
+    for request in served.requests:
+        assert _answer(tiny_llama, request) == _alone(tiny_llama, "window", request.prompt, 16)
+        assert request.measured["kv_bytes_peak"] > 0
+
+
+def test_decoding_past_the_pool_preempts_the_newest_and_recomputes_it(tiny_llama, monkeypatch):
+    """Admission that undercounts (here: forced to) lets decoding outgrow the pool: the newest request goes back to
+    the queue, is recomputed, and still answers as alone."""
+    monkeypatch.setattr("kvbench.serving.cache_need", lambda *args: 1)
+    prompts = _prompts(tiny_llama, 5, max_new_tokens=12)
+    slot = 2 * tiny_llama.kv_heads * tiny_llama.head_dim * 4 * tiny_llama.num_layers
+    served = _serve(tiny_llama, "full", prompts, Load(requests=5, rate=1000.0, pool_bytes=120 * slot))
+    assert served.preemptions > 0
+    assert sum(r.preemptions for r in served.requests) == served.preemptions
+    for request in served.requests:
+        assert request.ended
+        if request.finished_s is not None:
+            assert _answer(tiny_llama, request) == _alone(tiny_llama, "full", request.prompt)
+
+
+def test_overload_ends_in_its_time_with_every_request_accounted_for(tiny_llama):
+    prompts = _prompts(tiny_llama, 30)
+    load = Load(requests=30, rate=10_000.0, timeout_s=0.02, max_queue=3, slo_ttft_s=0.5)
+    served = _serve(tiny_llama, "full", prompts, load)
+    metrics = service_metrics(served, load)
+    assert metrics["finished"] + metrics["rejected"] == metrics["offered"] == 30
+    assert metrics["rejected"] > 0 and set(metrics["rejected_why"]) <= {"queue full", "timed out in the queue"}
+    assert sum(metrics["rejected_why"].values()) == metrics["rejected"]
+
+
+def test_a_request_larger_than_the_pool_is_rejected_not_run(tiny_llama):
+    served = _serve(tiny_llama, "full", _prompts(tiny_llama, 2), Load(requests=2, rate=5.0, pool_bytes=1000))
+    assert all(r.rejected and r.rejected.startswith("needs") for r in served.requests)
+
+
+def test_a_closed_loop_sends_each_users_next_request_when_the_last_ended(tiny_llama):
+    served = _serve(tiny_llama, "full", _prompts(tiny_llama, 6), Load(requests=6, users=2))
+    assert all(r.finished_s is not None for r in served.requests)
+    assert max(step["running"] for step in served.timeline) <= 2
+    for user in (0, 1):
+        mine = [r for r in served.requests if r.user == user]
+        assert all(later.arrival_s >= earlier.finished_s for earlier, later in zip(mine, mine[1:]))
+
+
+LOAD = {
+    "name": "load",
+    "model": {"id": "random:tiny-llama", "dtype": "float32", "device": "cpu"},
+    "policies": ["full", "window"],
+    "budgets": [0.25],
+    "context_lengths": [256],
+    "tasks": [{"name": "niah"}],
+    "samples": 3,
+    "max_new_tokens": 4,
+    "load": {"rates": [5, 50], "requests": 6, "kv_pool": "600 tokens", "slo": {"ttft_s": 5.0}},
+}
+
+
+def test_a_load_sweep_records_its_requests_and_a_rerun_counts_none_twice(tmp_path):
+    config = write_config(tmp_path, LOAD)
+    run = tmp_path / "run"
+    sweep(config, run)
+    folder = RunFolder(run)
+    statuses = folder.cells()
+    assert len(statuses) == 4 and all(s["load"]["finished"] + s["load"]["rejected"] == 6 for s in statuses.values())
+    frame = summarize(run)
+    assert frame["goodput"].notna().all() and set(frame["load_rate"]) == {5, 50}
+    # a load cell cut short after its records: it runs again whole, and its later records replace the earlier
+    lines = (run / "cells.jsonl").read_text().splitlines()
+    (run / "cells.jsonl").write_text("\n".join(lines[:-1]) + "\n")
+    before = (run / "records.jsonl").read_text().count("\n")
+    sweep(config, run)
+    assert (run / "records.jsonl").read_text().count("\n") > before
+    keys = [(r["cell_id"], r["sample_id"]) for r in folder.records()]
+    assert len(keys) == len(set(keys)) == sum(s["load"]["finished"] for s in folder.cells().values())
+    assert "Under load" in (run / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("load, culprit", [
+    ({"rates": [1], "users": [2]}, "give 'rates'"),
+    ({"rates": [0]}, "rates must be positive"),
+    ({"rates": [1], "kv_pool": "lots"}, "lots"),
+    ({"rates": [1], "kv_pool": "1MiB", "pressure": 0.5}, "not both"),
+    ({"rates": [1], "requests": 0}, "requests"),
+])
+def test_a_bad_load_section_is_one_line(tmp_path, load, culprit):
+    config = write_config(tmp_path, {**LOAD, "load": load})
+    assert_rejected_in_one_line(config, culprit, tmp_path / "run")
+
+
+def test_load_cells_serve_only_tasks_that_answer_one_prompt(tmp_path):
+    config = write_config(tmp_path, {**LOAD, "tasks": [{"name": "multiquery"}]})
+    assert_rejected_in_one_line(config, "multiquery", tmp_path / "run")
+
+
+def test_the_load_config_shipped_is_valid():
+    from pathlib import Path
+
+    from kvbench.config import load_config
+
+    config = load_config(Path(__file__).resolve().parent.parent / "configs" / "load.yaml")
+    assert config.load is not None and len(config.load.rates or []) >= 3
+    assert {p.name for p in config.policies} >= {"full", "window", "snapkv", "h2o"}
+    json.dumps(yaml.safe_load((Path(__file__).resolve().parent.parent / "configs" / "load.yaml").read_text()))
