@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import AttentionInterface
@@ -188,7 +188,7 @@ def register() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
-def record_attention_inputs(model: torch.nn.Module) -> None:
+def record_attention_inputs(model: Any) -> None:
     """Make each attention module of `model` hand the hidden states it projects its queries, keys and values from
     (`[batch, new tokens, hidden]`, after the layer's input norm) to the layer of the kvbench cache it runs with, as
     `LayerKV.attention_input`, while that cache's observers run (KVzap scores them, KVzip+ divides by their norm).
@@ -201,10 +201,15 @@ def record_attention_inputs(model: torch.nn.Module) -> None:
 
 
 def _hand_attention_input(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     observer = kwargs.get("kv_observer")
-    if observer is not None and observer.observing:
-        observer.layers[module.layer_idx].attention_input = kwargs["hidden_states"] if "hidden_states" in kwargs \
-            else args[0]
+    if isinstance(observer, JointCache):  # a joint step: each row's attention runs with that row's own cache
+        caches = [(cache, hidden[row : row + 1]) for row, cache in enumerate(observer.members)]
+    else:
+        caches = [] if observer is None else [(observer, hidden)]
+    for cache, rows in caches:
+        if cache.observing:
+            cache.layers[cast(int, module.layer_idx)].attention_input = rows
 
 
 def chunk_elements(device: torch.device) -> int:

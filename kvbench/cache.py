@@ -218,6 +218,12 @@ class KVCache(Cache):
 
     def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
         """Called by the kvbench attention function after each layer's attention (see attention.py)."""
+        try:
+            self._observe(layer_idx, query, key, scaling)
+        finally:  # held for this forward's observers only, never longer
+            self.layers[layer_idx].attention_input = None
+
+    def _observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
         if not self.times_observers:
             for policy in self.observers:
                 policy.observe(self.layers[layer_idx], query, key, scaling, self.phase)

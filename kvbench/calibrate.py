@@ -1,7 +1,13 @@
 """`kvbench calibrate`: what a calibrated policy reads, computed from the model itself and saved where kvpress reads
-the same thing. One method so far, `qfilter`: Q-Filters (Godey et al. 2025, arXiv 2503.02812), one direction per
-layer and KV head found by an SVD of the model's own post-RoPE queries, saved in kvpress's `QFilters` format
-(`config.json` and `model.safetensors`, loaded by `QFilters.from_pretrained(folder)`)."""
+the same thing (a folder kvpress's own `from_pretrained` loads):
+
+- `qfilter`: Q-Filters (Godey et al. 2025, arXiv 2503.02812), one direction per layer and KV head found by an SVD of
+  the model's own post-RoPE queries, in kvpress's `QFilters` format.
+- `kvzap-linear`, `kvzap-mlp`: KVzap's surrogates (arXiv 2601.07891), a ridge regression or a small MLP per layer
+  from the attention's input hidden states to their KVzip+ scores (kvbench/kvzap.py), in kvpress's `KVzapModel` format.
+- `expected-attention`: the mean and covariance of the pre-RoPE queries, in kvpress's `ExpectedAttentionStats`
+  format (what its `ExpectedAttentionStatsPress` reads).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -25,24 +31,42 @@ FILTERS_FILE, CONFIG_FILE, PROVENANCE_FILE = "model.safetensors", "config.json",
 
 
 @dataclass(frozen=True)
-class QFilterSettings:
-    """How much text the SVD sees: `documents` windows of `tokens` consecutive corpus tokens, of whose queries
-    `samples` (the same positions for every head) are drawn with `seed`. The defaults run in seconds on a CPU for the
-    embedded models; the paper's (`PAPER`) are 20 documents of 2,048 tokens."""
+class Settings:
+    """How much text a calibration sees: `documents` windows of `tokens` consecutive corpus tokens, drawn with `seed`.
+    qfilter's SVD sees `samples` query vectors per head; KVzap trains on `samples` positions of each document but the
+    last `held_out`, which it is scored on (R^2, kept-set agreement); its MLP is `hidden_dim` wide, trained `epochs`
+    times over the samples. Expected Attention counts every query. `SIZES` holds each method's defaults, sized for a
+    CPU on the embedded models, and the papers' (`--paper`)."""
 
     documents: int = 4
     tokens: int = 512
     samples: int = 3000
     seed: int = 0
+    held_out: int = 0
+    hidden_dim: int = 512
+    epochs: int = 15
 
     def __post_init__(self) -> None:
-        if min(self.documents, self.tokens, self.samples) < 1:
-            raise KvbenchError(f"kvbench calibrate: documents, tokens and samples must be at least 1, got "
-                               f"{self.documents}, {self.tokens}, {self.samples}")
+        if min(self.documents, self.tokens, self.samples, self.hidden_dim, self.epochs) < 1:
+            raise KvbenchError(f"kvbench calibrate: documents, tokens, samples, hidden_dim and epochs must be at least "
+                               f"1, got {self.documents}, {self.tokens}, {self.samples}, {self.hidden_dim}, "
+                               f"{self.epochs}")
+        if not 0 <= self.held_out < self.documents:
+            raise KvbenchError(f"kvbench calibrate: held_out must leave a document to train on: {self.held_out} of "
+                               f"{self.documents}")
 
 
-PAPER = QFilterSettings(documents=20, tokens=2048, samples=3000)
-METHODS = ("qfilter",)  # what `kvbench calibrate --method` offers
+# the CPU defaults, then the papers': Q-Filters' 20 x 2048 tokens; KVzap's ~1.2M positions (2,400 texts of about 1,000
+# tokens, 500 positions each; kvpress's MLP 512 wide, 15 epochs); Expected Attention's 100 calibration texts
+_KVZAP = (Settings(documents=10, tokens=512, samples=256, held_out=2, hidden_dim=64),
+          Settings(documents=2448, tokens=1024, samples=500, held_out=48))
+SIZES: dict[str, tuple[Settings, Settings]] = {
+    "qfilter": (Settings(), Settings(documents=20, tokens=2048)),
+    "kvzap-linear": _KVZAP,
+    "kvzap-mlp": _KVZAP,
+    "expected-attention": (Settings(documents=8, tokens=512), Settings(documents=100, tokens=1000)),
+}
+METHODS = tuple(SIZES)  # what `kvbench calibrate --method` offers
 
 
 @dataclass
@@ -52,6 +76,7 @@ class Calibrated:
     seconds: float
     documents: int
     tokens: int
+    quality: dict[str, Any]  # how well it does on held-out text (KVzap), as the provenance file records it
 
 
 def require_method(method: str) -> None:
@@ -74,7 +99,7 @@ def dtype_name(lm: LoadedModel) -> str:
     return str(lm.dtype).removeprefix("torch.")
 
 
-def corpus_documents(lm: LoadedModel, corpus: str, settings: QFilterSettings) -> list[list[int]]:
+def corpus_documents(lm: LoadedModel, corpus: str, settings: Settings) -> list[list[int]]:
     """`settings.documents` windows of `settings.tokens` consecutive tokens of `corpus`, drawn with the seed among
     the corpus's non-overlapping windows."""
     from kvbench.tasks.corpus import load_corpus
@@ -88,7 +113,7 @@ def corpus_documents(lm: LoadedModel, corpus: str, settings: QFilterSettings) ->
     return [ids[w * settings.tokens : (w + 1) * settings.tokens] for w in sorted(chosen.tolist())]
 
 
-def calibrate(lm: LoadedModel, method: str, corpus: str, settings: QFilterSettings, output: Path | None = None,
+def calibrate(lm: LoadedModel, method: str, corpus: str, settings: Settings, output: Path | None = None,
               advance: Callable[[int, int], None] = lambda done, total: None) -> Calibrated:
     """`method`'s artifact for `lm` from `corpus` (`embedded` or a file or folder of text), written to `output`
     (default: `default_folder`). The computation is cached per model and settings (`per_model`), so a second call
@@ -99,15 +124,43 @@ def calibrate(lm: LoadedModel, method: str, corpus: str, settings: QFilterSettin
     variant = f"{asdict(settings)} corpus={corpus_digest}"
     started = time.perf_counter()
     saved, computed = per_model(lm, f"calibrate-{method}", variant,
-                                lambda: {"q_filters": qfilters(lm, documents, settings, advance)})
+                                lambda: _compute(lm, method, documents, settings, advance))
     seconds = time.perf_counter() - started
     folder = output or default_folder(lm, method)
-    save_qfilters(saved["q_filters"], folder, {"model": lm.spec, "dtype": dtype_name(lm), "corpus": corpus,
-                                               **asdict(settings), "kvbench": __version__})
-    return Calibrated(folder, computed, seconds, len(documents), settings.tokens)
+    provenance = {"model": lm.spec, "dtype": dtype_name(lm), "corpus": corpus, "method": method,
+                  **asdict(settings), "kvbench": __version__}
+    quality = _save(lm, method, saved, folder, provenance)
+    return Calibrated(folder, computed, seconds, len(documents), settings.tokens, quality)
 
 
-def qfilters(lm: LoadedModel, documents: list[list[int]], settings: QFilterSettings,
+def _compute(lm: LoadedModel, method: str, documents: list[list[int]], settings: Settings,
+             advance: Callable[[int, int], None]) -> dict[str, torch.Tensor]:
+    from kvbench import kvzap  # it runs sessions, which import the policies
+
+    if method == "qfilter":
+        return {"q_filters": qfilters(lm, documents, settings, advance)}
+    if method == "expected-attention":
+        return query_statistics(lm, documents, advance)
+    return kvzap.fit(lm, documents, settings, method.removeprefix("kvzap-"), advance)
+
+
+def _save(lm: LoadedModel, method: str, saved: dict[str, torch.Tensor], folder: Path,
+          provenance: dict) -> dict[str, Any]:
+    """Writes `method`'s folder; returns what it says of the artifact's quality (KVzap's held-out scores)."""
+    from kvbench import kvzap
+
+    if method == "qfilter":
+        save_qfilters(saved["q_filters"], folder, provenance)
+        return {}
+    if method == "expected-attention":
+        save_query_statistics(saved, folder, provenance)
+        return {}
+    quality = kvzap.quality(saved)
+    kvzap.save(kvzap.rebuilt(saved), folder, {**provenance, **quality})
+    return quality
+
+
+def qfilters(lm: LoadedModel, documents: list[list[int]], settings: Settings,
              advance: Callable[[int, int], None]) -> torch.Tensor:
     """`[layers, kv_heads, head_dim]` Q-Filters as the authors' make_filters.py computes them: per layer and query
     head, the first right singular vector of `samples` post-RoPE queries (the same positions for every head), its
@@ -167,3 +220,51 @@ class _QueryRecorder(Policy):
         if layer.layer_idx == len(self.queries):
             self.queries.append([])
         self.queries[layer.layer_idx].append(query[0, :, self.positions.to(query.device)].float().cpu())
+
+
+STATS_FIELDS = ("query_mean", "query_cov")
+STATS_SINKS = 4  # the first positions' queries are left out, as kvpress's collect_queries leaves them (outliers)
+
+
+def query_statistics(lm: LoadedModel, documents: list[list[int]],
+                     advance: Callable[[int, int], None]) -> dict[str, torch.Tensor]:
+    """`query_mean` `[layers, heads, D]` and `query_cov` `[layers, heads, D, D]` of every pre-RoPE query of the
+    documents but each one's first `STATS_SINKS`, as kvpress's `collect_queries` computes them (the covariance over
+    n - 1). The sums are expected_attention's own prompt moments (its `observe`), added over the documents."""
+    from kvbench.policies import build_policy
+    from kvbench.session import Session
+    from kvbench.settings import RunSettings
+
+    count = total = outer = torch.zeros(())
+    for index, ids in enumerate(documents):
+        policy = build_policy("expected_attention", {"n_sink": STATS_SINKS})
+        # a budget of the whole document: the policy gathers its moments and evicts nothing
+        session = Session(lm, policy, RunSettings(budget=len(ids)), prompt_tokens=len(ids))
+        session.prefill(torch.tensor([ids]))
+        moments = [layer.layer_stats[policy.state_key] for layer in session.cache.layers]
+        count = count + torch.stack([m.count[0] for m in moments]).cpu().double()  # [layers, heads]
+        total = total + torch.stack([m.total[0] for m in moments]).cpu().double()
+        outer = outer + torch.stack([m.outer[0] for m in moments]).cpu().double()
+        advance(index + 1, len(documents))
+    mean = total / count[..., None]
+    centered = outer - count[..., None, None] * mean[..., :, None] * mean[..., None, :]
+    return {"query_mean": mean.float(), "query_cov": (centered / (count - 1)[..., None, None]).float()}
+
+
+def save_query_statistics(stats: dict[str, torch.Tensor], folder: Path, provenance: dict) -> None:
+    """kvpress's `ExpectedAttentionStats.save_pretrained` files (its `from_pretrained(folder)` and
+    `ExpectedAttentionStatsPress(stats_folder=...)` load them), with kvbench's provenance beside them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    layers, heads, head_dim = stats["query_mean"].shape
+    save_file({name: stats[name].float().contiguous() for name in STATS_FIELDS}, str(folder / FILTERS_FILE),
+              metadata={"format": "pt"})
+    (folder / CONFIG_FILE).write_text(json.dumps({
+        "num_layers": layers, "num_heads": heads, "head_dim": head_dim, "dataset_name": provenance["corpus"],
+        "model_name": provenance["model"], "num_samples": provenance["documents"],
+        "sample_seq_len": provenance["tokens"], "n_sink": STATS_SINKS}, indent=2) + "\n")
+    (folder / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+
+
+def load_query_statistics(folder: Path) -> dict[str, torch.Tensor]:
+    """`query_mean` `[layers, heads, D]` and `query_cov` `[layers, heads, D, D]` from kvpress's format."""
+    return load_file(str(folder / FILTERS_FILE))

@@ -63,6 +63,9 @@ class LayerKV(CacheLayerMixin):
         self.positions = UNALLOCATED  # [batch, kv_heads, capacity] int64, with the entries' buffers
         self.slot_stats: dict[str, torch.Tensor] = {}  # per-slot policy state, moved with the slots
         self.layer_stats: dict[str, Any] = {}  # per-layer policy state (query statistics), copied with the layer
+        # the new tokens' hidden states at the attention's input `[batch, new, hidden]`, while the observers run, for
+        # a policy that asked for them (`attention.record_attention_inputs`); None otherwise
+        self.attention_input: torch.Tensor | None = None
         # the buffers are a shared prefill's (see `borrow`): read in place, never written; the first write moves
         # what this layer keeps into buffers of its own
         self.borrowed = False

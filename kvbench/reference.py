@@ -326,3 +326,38 @@ def qfilter_kept(lm, prompt: list[int], budget: int, filters: torch.Tensor) -> R
         scores.append(torch.tensor([[-float(filters[layer, head] @ keys[head, position]) for position in
                                      range(len(prompt))] for head in range(lm.kv_heads)]))
     return prompt_kept(lm, scores, budget)
+
+
+@torch.no_grad()
+def kvzap_kept(lm, prompt: list[int], budget: int, surrogate: list[torch.nn.Module]) -> Reference:
+    """KVzap's kept sets: per layer and KV head, the highest predicted log KVzip+ scores, each position's computed
+    one at a time from the hidden state its layer's attention reads (a hook on the stock forward), as the linear
+    map w_h . x + b_h or the MLP w2_h . gelu(W1 x + b1) + b2_h of kvpress's KVzapModel (`surrogate`: its layers)."""
+    inputs: dict[int, torch.Tensor] = {}
+
+    def record(index: int):
+        def hook(module, args, kwargs) -> None:
+            inputs[index] = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])[0].float().cpu()
+        return hook
+
+    layers = lm.model.model.layers
+    handles = [layer.self_attn.register_forward_pre_hook(record(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        stock_forward(lm, DynamicCache(), prompt, 0)
+    finally:
+        for handle in handles:
+            handle.remove()
+    scores = []
+    for layer, module in enumerate(surrogate):
+        linear = not isinstance(module, torch.nn.Sequential)
+        parts = [module] if linear else list(cast(torch.nn.Sequential, module))
+        first, last = (cast(torch.nn.Linear, parts[index].cpu()) for index in (0, -1))
+        per_head = []
+        for head in range(lm.kv_heads):
+            row = []
+            for x in inputs[layer]:
+                inner = x if linear else F.gelu(first.weight @ x + first.bias)
+                row.append(float(last.weight[head] @ inner + last.bias[head]))
+            per_head.append(torch.tensor(row))
+        scores.append(torch.stack(per_head))
+    return prompt_kept(lm, scores, budget)

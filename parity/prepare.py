@@ -15,7 +15,7 @@ import transformers
 import yaml
 from transformers import AutoTokenizer
 
-from kvbench.calibrate import QFilterSettings, calibrate
+from kvbench.calibrate import Settings, calibrate
 from kvbench.models import load_model, local_source
 from kvbench.tasks.corpus import load_corpus
 from parity import artifact_folder, pattern_folder
@@ -27,7 +27,7 @@ CASES = Path(__file__).with_name("cases.yaml")
 SHARPEN, SHARPEN_NORMED = 12.0, 2.0
 SEED = 3
 # a calibration small enough for CPU: the embedded corpus through each model (its own tokenizer)
-CALIBRATION = QFilterSettings(documents=2, tokens=256)
+CALIBRATION = Settings(documents=2, tokens=256)
 
 
 def random_model(shape: str, folder: Path) -> None:

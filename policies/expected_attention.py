@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -94,12 +95,11 @@ class ExpectedAttention(Policy):
             _remember(moments, plain, counted_queries, self.query_buffer)
 
     def score(self, layer, budget: int) -> torch.Tensor:
-        moments = layer.layer_stats[self.state_key]
-        mean, covariance = self._moments(moments, layer.owner.phase == "prefill")
+        mean, covariance, scaling = self.statistics(layer)
         rotation = self._future_rotation(layer, mean)  # [B, D, D]
         mean = torch.einsum("bed,bhd->bhe", rotation, mean)
         covariance = torch.einsum("bed,bhdf,bgf->bheg", rotation, covariance, rotation)
-        scores = self._expected(layer, mean, covariance if self.use_covariance else None, moments.scaling)
+        scores = self._expected(layer, mean, covariance if self.use_covariance else None, scaling)
         if self.use_vnorm:
             scores = (scores + self.epsilon) * layer.live_values().float().norm(dim=-1)
         return protect(scores, layer.live_positions() < self.n_sink)
@@ -107,6 +107,12 @@ class ExpectedAttention(Policy):
     def threshold_score(self, layer) -> torch.Tensor:
         # the expected attention sums to one over the entries, but use_vnorm scales it by the values' norms
         return shares(self.score(layer, layer.length), layer)
+
+    def statistics(self, layer) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """The pre-RoPE query mean `[B, H, D]` and covariance `[B, H, D, D]` the score expects, and the attention
+        scaling: estimated from the queries seen (the prompt's, or while decoding the newest)."""
+        moments = layer.layer_stats[self.state_key]
+        return (*self._moments(moments, layer.owner.phase == "prefill"), moments.scaling)
 
     def _moments(self, moments: QueryMoments, prefill: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's query mean `[B, H, D]` and covariance `[B, H, D, D]`: the prompt's, or while decoding its ring's
@@ -186,3 +192,50 @@ def _remember(moments: QueryMoments, queries: torch.Tensor, counted: np.ndarray,
     moments.recent.scatter_(2, index, queries)
     moments.recent_seen = moments.recent_seen + kept
 
+
+
+@register
+@dataclass
+class ExpectedAttentionStats(ExpectedAttention):
+    """Expected Attention with calibrated query statistics (kvpress's ExpectedAttentionStatsPress): each query head's
+    pre-RoPE mean and covariance come from calibration text (`kvbench calibrate --method expected-attention`), not
+    from the prompt's own queries; the rest is `expected_attention`'s. `stats_folder`: a folder in kvpress's
+    ExpectedAttentionStats format, default the model's own calibration in `$KVBENCH_CACHE/expected-attention/`."""
+
+    name = "expected_attention_stats"
+    stats_folder: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._stats: tuple[torch.Tensor, torch.Tensor] | None = None  # [layers, H, D], [layers, H, D, D]
+
+    def prepare(self, lm) -> None:
+        self._stats = self.load(lm)
+
+    def load(self, lm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The statistics for `lm`, checked against its shape; a missing artifact names the command that makes it."""
+        from kvbench.calibrate import calibrate_command, default_folder, load_query_statistics  # it imports policies
+
+        method = "expected-attention"
+        folder = default_folder(lm, method) if self.stats_folder is None else Path(self.stats_folder).expanduser()
+        if not folder.is_dir():
+            command = calibrate_command(lm, method) + ("" if self.stats_folder is None else f" -o {self.stats_folder}")
+            raise KvbenchError(f"policy '{self.name}': no query statistics in {folder}: make them with `{command}`")
+        stats = load_query_statistics(folder)
+        expected = (lm.num_layers, lm.model.config.num_attention_heads, lm.head_dim)
+        shape = tuple(stats["query_mean"].shape)
+        if shape != expected:
+            raise KvbenchError(f"policy '{self.name}': the statistics in {folder} are {shape} (layers, heads, "
+                               f"head_dim); {lm.spec} needs {expected}")
+        return stats["query_mean"].to(lm.device), stats["query_cov"].to(lm.device)
+
+    def observe(self, layer, query, key, scaling, phase) -> None:
+        layer.layer_stats[self.state_key] = scaling  # all it needs of the queries
+
+    def statistics(self, layer) -> tuple[torch.Tensor, torch.Tensor, float]:
+        if self._stats is None:
+            raise KvbenchError(f"policy '{self.name}' reads its statistics when a session is made (prepare)")
+        batch = layer.live_keys().shape[0]
+        mean, covariance = (stat[layer.layer_idx].float() for stat in self._stats)
+        return (mean.expand(batch, *mean.shape), covariance.expand(batch, *covariance.shape),
+                layer.layer_stats[self.state_key])

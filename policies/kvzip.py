@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.attention import attention_probs
+from kvbench.attention import attention_probs, record_attention_inputs
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import BatchLimit, Demand, Policy, Schedule, protect, register
 
@@ -129,27 +129,14 @@ class KVzipPlus(KVzip):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._hidden_norms: dict[int, torch.Tensor] = {}  # per layer, the reconstruction's `[B, queries]`
         self._output_grams: dict[int, torch.Tensor] = {}
 
-    def after_prompt(self, session, prompt: torch.Tensor) -> None:
-        modules = [layer.self_attn for layer in session.lm.model.model.layers]
-        handles = [module.register_forward_pre_hook(self._record_hidden_norm(index), with_kwargs=True)
-                   for index, module in enumerate(modules)]
-        try:
-            super().after_prompt(session, prompt)
-        finally:
-            for handle in handles:
-                handle.remove()
-
-    def _record_hidden_norm(self, layer_idx: int):
-        def record(module, args, kwargs) -> None:
-            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            self._hidden_norms[layer_idx] = hidden.float().norm(dim=-1)  # [B, queries]
-        return record
+    def prepare(self, lm) -> None:
+        record_attention_inputs(lm.model)
 
     def weigh(self, layer, probs: torch.Tensor, start: int, context: torch.Tensor) -> torch.Tensor:
-        hidden_norms = self._hidden_norms[layer.layer_idx][:, start : start + probs.shape[3]]
+        assert layer.attention_input is not None, "prepare() asked for the attention's inputs"
+        hidden_norms = layer.attention_input[:, start : start + probs.shape[3]].float().norm(dim=-1)  # [B, queries]
         values = layer.live_values()[:, :, context].float()  # [B, kv_heads, context, D]
         # ||W_o^h v||^2 = v^T (W_o^h^T W_o^h) v: a head_dim x head_dim Gram per query head, not a hidden-wide product
         grams = self._output_gram(layer, values.shape[1])  # [kv_heads, group, D, D]

@@ -12,11 +12,15 @@ from kvbench.session import RunSettings, Session
 from kvbench.tolerance import forward_roundings, magnitude, relative_tolerance
 
 # what a policy needs on the tests' random models and has no default for: duoattention's head pattern (random:tiny-llama
-# and tiny-qwen2: 2 layers x 2 KV heads) and sinks that fit the tests' budgets; qfilter's filters, of the same shape
-# (`kvbench calibrate -m random:tiny-llama --method qfilter --documents 2 --tokens 128 -o DIR`)
+# and tiny-qwen2: 2 layers x 2 KV heads) and sinks that fit the tests' budgets; the calibrated policies' artifacts for
+# random:tiny-llama (`kvbench calibrate -m random:tiny-llama --tokens 128 -o DIR` with `--method qfilter --documents
+# 2`, `--method kvzap-linear --documents 6`, `--method expected-attention --documents 2`)
+DATA = Path(__file__).with_name("data")
 NEEDED_PARAMS: dict[str, dict[str, Any]] = {
-    "duoattention": {"pattern": str(Path(__file__).with_name("data") / "tiny-llama-pattern.tsv"), "sinks": 4},
-    "qfilter": {"filters": str(Path(__file__).with_name("data") / "tiny-llama-qfilter")}}
+    "duoattention": {"pattern": str(DATA / "tiny-llama-pattern.tsv"), "sinks": 4},
+    "qfilter": {"filters": str(DATA / "tiny-llama-qfilter")},
+    "kvzap": {"model_type": "linear", "kvzap_model": str(DATA / "tiny-llama-kvzap")},
+    "expected_attention_stats": {"stats_folder": str(DATA / "tiny-llama-expected-attention")}}
 
 
 def tiny_policy(name: str, params: dict[str, Any] | None = None):

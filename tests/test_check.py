@@ -147,7 +147,8 @@ def test_a_policy_with_a_reference_is_checkable_without_editing_check(tiny_llama
 
     for cls in (Sinks, Unreferenced):
         monkeypatch.setitem(POLICIES._entries, cls.name, cls)
-    assert set(check.checkable()) == {"snapkv", "h2o", "tova", "knorm", "streaming_llm", "qfilter", "sinks_plugin"}
+    assert set(check.checkable()) == {"snapkv", "h2o", "tova", "knorm", "streaming_llm", "qfilter", "kvzap",
+                                      "sinks_plugin"}
     settings = check.CheckSettings(short=64, long=64, decode_steps=4, policies=("sinks_plugin",))
     result = check.check_policy(tiny_llama, "sinks_plugin", check.prompt_tokens(tiny_llama, 68)[:64],
                                 check.prompt_tokens(tiny_llama, 68)[64:], "short")

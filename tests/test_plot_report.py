@@ -305,9 +305,10 @@ def test_the_drop_allowed_is_said_in_the_task_s_unit():
 # names no policy has (a plugin's, picked from the palette by its name)
 COLOURS = {
     "ada_kv": "#DDCC77", "adaptive": "#332288", "chunkkv": "#44AA99", "compose": "#661100", "criticalkv": "#F0E442",
-    "duoattention": "#999999", "expected_attention": "#009E73", "full": "#000000", "h2o": "#009E73",
+    "duoattention": "#999999", "expected_attention": "#009E73", "expected_attention_stats": "#56B4E9",
+    "full": "#000000", "h2o": "#009E73",
     "hybrid": "#44AA99", "keydiff": "#56B4E9", "knorm": "#117733", "kvzip": "#CC79A7", "kvzip_plus": "#F0E442",
-    "lagkv": "#999999",
+    "kvzap": "#DDCC77", "lagkv": "#999999",
     "lowrank": "#F0E442", "merge": "#88CCEE", "mixed_precision": "#CC79A7", "pyramidkv": "#332288",
     "qfilter": "#661100", "quant": "#D55E00", "quest": "#CC3311", "random": "#999999", "razorattention": "#332288",
     "rkv": "#332288",

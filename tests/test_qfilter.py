@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from kvbench import check
 from kvbench.calibrate import (
-    QFilterSettings,
+    Settings,
     calibrate,
     corpus_documents,
     default_folder,
@@ -31,7 +31,7 @@ from tests.helpers import run_session
 from tests.test_kvpress_policies import QueryTap, rope
 
 PROMPT, BUDGET = random_ids(96, seed=31), 40
-SETTINGS = QFilterSettings(documents=2, tokens=48, samples=10_000)  # every query of both documents
+SETTINGS = Settings(documents=2, tokens=48, samples=10_000)  # every query of both documents
 
 
 @pytest.fixture(scope="module")
@@ -114,11 +114,11 @@ def test_a_broken_artifact_keeps_other_entries(sharp_llama, calibrated, expected
 
 
 def test_the_calibration_is_deterministic_for_a_seed(sharp_llama, corpus):
-    sampled = QFilterSettings(documents=2, tokens=48, samples=40)
+    sampled = Settings(documents=2, tokens=48, samples=40)
     documents = corpus_documents(sharp_llama, str(corpus), sampled)
 
     def run(seed: int) -> torch.Tensor:
-        settings = QFilterSettings(documents=2, tokens=48, samples=40, seed=seed)
+        settings = Settings(documents=2, tokens=48, samples=40, seed=seed)
         return qfilters(sharp_llama, documents, settings, lambda done, total: None)
 
     assert torch.equal(run(0), run(0))
@@ -145,7 +145,7 @@ def test_kvbench_calibrate_writes_where_the_policy_looks(monkeypatch, tmp_path, 
     again = CliRunner().invoke(app, arguments)
     assert "read back from the per-model cache" in again.output
     bad = CliRunner().invoke(app, ["calibrate", "-m", "random:tiny-llama", "--method", "kvzap"])
-    assert bad.exit_code == 2 and "not one of qfilter" in bad.output
+    assert bad.exit_code == 2 and "not one of qfilter, kvzap-linear" in bad.output
     from kvbench.models import load_model
 
     lm = load_model("random:tiny-llama", dtype="float32", device="cpu")

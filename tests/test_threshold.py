@@ -25,11 +25,13 @@ from kvbench.report import recommend
 from kvbench.results import RunFolder
 from kvbench.summary import summarize
 from tests.conftest import random_ids
-from tests.helpers import assert_model_close, assert_rejected_in_one_line, run_session
+from tests.helpers import NEEDED_PARAMS, assert_model_close, assert_rejected_in_one_line, run_session
 from tests.test_sweep import sweep, write_config
 
 PROMPT = random_ids(96, seed=3)
-TAKERS = {"snapkv": {"window": 8}, "expected_attention": {}, "knorm": {}, "keydiff": {}, "h2o": {}, "tova": {}}
+TAKERS = {"snapkv": {"window": 8}, "expected_attention": {}, "knorm": {}, "keydiff": {}, "h2o": {}, "tova": {},
+          "kvzap": {**NEEDED_PARAMS["kvzap"], "window": 8},
+          "expected_attention_stats": NEEDED_PARAMS["expected_attention_stats"]}
 
 
 def test_the_policies_that_take_a_threshold_are_the_scoring_ones():
@@ -55,7 +57,11 @@ def reference_scores(lm, name: str) -> list[torch.Tensor]:
         keys = layer.live_keys()[0].float()
         if name == "snapkv":  # its eviction score (the observation window +inf)
             score = policy.score(layer, 10 * n)[0]
-        elif name == "expected_attention":  # a share of its eviction score (the sinks +inf)
+        elif name == "kvzap":  # exp of the predicted log score (the plain loop's), the newest window +inf
+            predicted = policy.reference(lm, PROMPT, [], n)[1]
+            assert predicted is not None
+            score = predicted[layer.layer_idx].exp().masked_fill(positions >= n - TAKERS[name]["window"], float("inf"))
+        elif name in ("expected_attention", "expected_attention_stats"):  # a share of its score (the sinks +inf)
             score = share(policy.score(layer, 10 * n)[0])
         elif name == "tova":  # the newest query's attention weight, as observed
             score = layer.slot_stat(policy.state_key)[0]
