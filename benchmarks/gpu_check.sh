@@ -2,16 +2,18 @@
 # The CUDA path as a check, on one large GPU: device facts, `kvbench check` on a random-weight Llama-3-8B at 16k
 # tokens (full against model.generate, the policies against their references, memory readings, a cap below the
 # weights, an out-of-memory caught and released, the NVML sampler, decode timing), a timed sweep of the same shape at
-# 32k with NVML traces, a memory-pressure sweep; then benchmarks/gpu/check.py judges what they left in OUT ($1,
+# 32k with NVML traces, a memory-pressure sweep, a short
+# service under load; then benchmarks/gpu/check.py judges what they left in OUT ($1,
 # default benchmarks/results/gpu-<date>): one table, and exit 1 if anything is wrong. The log is OUT/check.log; commit
 # it with OUT/check.json.
 #
 # Time on one H200 (16 cores), measured 2026-12-04 (benchmarks/README.md), each step killed at its budget (check.py
-# then fails it), about 3.5 minutes in all:
+# then fails it), about 4.5 minutes in all:
 #   facts, `kvbench estimate`  8-11 s     budget  30 s
-#   kvbench check              97-113 s   budget 240 s: random init, ~25 forwards of 16k tokens
-#   gpu/sweep.yaml             50-53 s    budget 180 s: random init on the GPU, 4 cells x (warm-up + timed run)
-#   gpu/pressure.yaml          30-38 s    budget 120 s: 9 cells, the 99% ones out of memory at their first allocation
+#   kvbench check              97-113 s   budget 180 s: random init, ~25 forwards of 16k tokens
+#   gpu/sweep.yaml             50-53 s    budget 120 s: random init on the GPU, 4 cells x (warm-up + timed run)
+#   gpu/pressure.yaml          30-38 s    budget  90 s: 9 cells, the 99% ones out of memory at their first allocation
+#   gpu/load.yaml              not yet    budget 150 s: random init, 2 cells of 8 requests served under load
 #   check.py                   ~3 s
 # KVBENCH (default .venv/bin/kvbench), PYTHON and KVBENCH_COMMIT (the commit the log names, where the folder is not a
 # git checkout) say what runs.
@@ -19,7 +21,7 @@ set -uo pipefail  # no -e: a failed step is recorded in OUT/<step>.exit, and the
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results/gpu-$(date +%F)}
 # a check measures afresh: a run folder left in OUT by an earlier check would be resumed, its cells not run again
-rm -rf "$out/sweep" "$out/pressure" "$out/check.json" "$out"/*.exit
+rm -rf "$out/sweep" "$out/pressure" "$out/load" "$out/check.json" "$out"/*.exit
 mkdir -p "$out"
 kvbench=${KVBENCH:-.venv/bin/kvbench}
 python=${PYTHON:-.venv/bin/python}
@@ -40,10 +42,11 @@ step() {  # step NAME BUDGET_S COMMAND...: run COMMAND within its budget, its ex
     step facts 30 "$python" -c 'import torch, transformers, pynvml
 print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, "nvml ok")'
     "$kvbench" estimate llama-3-8b -c 32768 --dtype bfloat16 -b 1024 --device-memory 140GiB
-    step check 240 "$kvbench" check -m random:llama-3-8b --device cuda --dtype bfloat16 --context 16384 \
+    step check 180 "$kvbench" check -m random:llama-3-8b --device cuda --dtype bfloat16 --context 16384 \
         --json-out "$out/check.json"
-    step sweep 180 "$kvbench" sweep benchmarks/gpu/sweep.yaml -o "$out/sweep" --trace -q
-    step pressure 120 "$kvbench" sweep benchmarks/gpu/pressure.yaml -o "$out/pressure" -q
+    step sweep 120 "$kvbench" sweep benchmarks/gpu/sweep.yaml -o "$out/sweep" --trace -q
+    step pressure 90 "$kvbench" sweep benchmarks/gpu/pressure.yaml -o "$out/pressure" -q
+    step load 150 "$kvbench" sweep benchmarks/gpu/load.yaml -o "$out/load" -q
     "$python" benchmarks/gpu/check.py "$out"
 } 2>&1 | tee "$out/check.log"
 exit "${PIPESTATUS[0]}"

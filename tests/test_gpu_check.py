@@ -48,7 +48,7 @@ def record(cell_id: str, alloc: int = 20 * GiB, device: int | None = 23 * GiB) -
 
 
 def write_run(out: Path, run: str, cells: dict[str, tuple[dict, str, list[dict]]], transformers: str = "5.17.0",
-              exit_status: str | None = "0") -> None:
+              exit_status: str | None = "0", service: dict | None = None) -> None:
     """A run folder as `kvbench sweep` leaves it: cells by id -> (description, final status, records); a status of
     None leaves the cell out of cells.jsonl, as a sweep that stopped before it."""
     folder = RunFolder(out / run)
@@ -60,7 +60,8 @@ def write_run(out: Path, run: str, cells: dict[str, tuple[dict, str, list[dict]]
     for cell_id, (_, status, records) in cells.items():
         if status is not None:
             folder.add_cell({"cell_id": cell_id, "status": status, "samples": 1,
-                             "message": "" if status == "ok" else "OutOfMemoryError: CUDA out of memory."})
+                             "message": "" if status == "ok" else "OutOfMemoryError: CUDA out of memory.",
+                             **({"load": service} if service else {})})
         for row in records:
             folder.add_record(row)
     if exit_status is not None:
@@ -72,14 +73,16 @@ def clean_run(out: Path) -> dict[str, dict]:
     sweep = {f"s-{p}": (cell(p), "ok", [record(f"s-{p}")]) for p in ("full", "window", "h2o", "snapkv")}
     pressure = {"p-full-0.5": (cell("full", {"pressure": 0.5}), "ok", [record("p-full-0.5")]),
                 "p-full-0.99": (cell("full", {"pressure": 0.99}), "oom", [])}
+    load = {f"l-{p}": ({**cell(p), "load": {"rate": 4}}, "ok", [record(f"l-{p}")]) for p in ("full", "snapkv")}
     write_run(out, "sweep", sweep)
     write_run(out, "pressure", pressure)
+    write_run(out, "load", load, service={"offered": 8, "finished": 7, "rejected": 1})
     (out / "facts.exit").write_text("0\n")
     (out / "check.exit").write_text("0\n")
     (out / "check.json").write_text(json.dumps({"checks": [
         {"name": "generate.long", "status": "pass", "detail": "16 of 16 tokens equal", "numbers": {}},
         {"name": "memory.oom", "status": "pass", "detail": "out of memory caught", "numbers": {}}]}))
-    return {**sweep, **pressure}
+    return {**sweep, **pressure, **load}
 
 
 def test_a_clean_gpu_run_passes_with_one_table(tmp_path, capsys):
@@ -135,6 +138,10 @@ def sweep_never_finished(out, cells):
     (out / "pressure.exit").unlink()
 
 
+def load_loses_a_request(out, cells):
+    rewrite(out, "load", run_cells(cells, "l-"), service={"offered": 8, "finished": 6, "rejected": 1})
+
+
 def sweep_cell_ends(cell_id: str, status: str | None, name: str):
     """A breakage: the sweep's cell `cell_id` ends in `status` (None: not in the run folder) with no record."""
     def breakage(out, cells):
@@ -186,6 +193,7 @@ BREAKAGES = [  # (how a run goes wrong, the problem check.py must report)
     (oom_outside_pressure, "sweep: full L=32768 (-): out of memory outside a pressure cell"),
     (ok_without_its_record, "sweep: full L=32768 (-): ok with 0 of its 1 samples recorded"),
     (no_run_folder, "pressure: no run folder"),
+    (load_loses_a_request, "load: full L=32768 (-): a load cell that does not account for every request"),
     (a_self_check_failed, "check: memory.oom: 131072 tokens ran under a cap of 17.00 GiB: no out-of-memory"),
     (self_check_ran_out_of_time, "check: kvbench check ran out of its time budget (exit 124)"),
     (pynvml_missing, "facts: importing torch, transformers and nvidia-ml-py exited 1"),

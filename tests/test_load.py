@@ -134,7 +134,7 @@ def test_a_closed_loop_sends_each_users_next_request_when_the_last_ended(tiny_ll
     assert max(step["running"] for step in served.timeline) <= 2
     for user in (0, 1):
         mine = [r for r in served.requests if r.user == user]
-        assert all(later.arrival_s >= earlier.finished_s for earlier, later in zip(mine, mine[1:]))
+        assert all(later.arrival_s >= earlier.finished_s for earlier, later in zip(mine, mine[1:], strict=False))
 
 
 LOAD = {

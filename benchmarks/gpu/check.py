@@ -6,6 +6,7 @@ Wrong is:
   - a failed line of `kvbench check` (OUT/check.json: full against model.generate, the policies against their
     references, the memory readings, a cap below the weights, an out-of-memory caught and released, the sampler);
   - a cell of the run's grid missing from its run folder (the sweep stopped), or recorded as `error`;
+  - a load cell whose finished and rejected requests are not every request it was offered;
   - a cell out of memory without a memory condition, or a pressure cell that ran although its cap is below the
     model's weights (the cap was not applied);
   - a record without an allocator or NVML device peak, or whose NVML device peak is below the allocator's (NVML
@@ -28,7 +29,7 @@ from typing import Any
 from kvbench.results import RunFolder
 
 FACTS_STEP = "facts"  # torch, transformers and nvidia-ml-py import
-RUNS = ("sweep", "pressure")  # the run folders gpu_check.sh writes under OUT, each with its OUT/<run>.exit
+RUNS = ("sweep", "pressure", "load")  # the run folders gpu_check.sh writes under OUT, each with its OUT/<run>.exit
 SELF_CHECK = "check"  # `kvbench check`, its report in OUT/check.json
 EXPECTED_TRANSFORMERS = "5.17."
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -155,6 +156,9 @@ def cell_problems(cell: dict[str, Any], state: dict[str, Any], records: list[dic
         return [f"error: {state['message']}"]
     if state["status"] == "oom":
         return [] if memory is not None else [f"out of memory outside a pressure cell: {state['message']}"]
+    service = state.get("load")
+    if "load" in cell and (service is None or service["finished"] + service["rejected"] != service["offered"]):
+        return [f"a load cell that does not account for every request it was offered: {service}"]
     expected = state.get("samples", 1)
     problems = [] if len(records) >= expected else [f"ok with {len(records)} of its {expected} samples recorded"]
     # the weights all on the one GPU the environment describes: a random model is never spread with device_map
