@@ -182,10 +182,15 @@ class RunFolder:
         staging.replace(self.path / MANIFEST)  # atomic: a kill never leaves half a manifest
 
     def records(self) -> list[dict[str, Any]]:
-        """Every record, one per (cell, sample): a cell rerun whole after a kill (a load cell) wrote some twice, and
-        the later run's count."""
+        """Every record. A cell that runs whole (a load cell) marks its records with its `attempt`: a kill and a
+        rerun leave several attempts' records, and only the attempt its final status names counts (the last one
+        while it has none)."""
         rows = read_jsonl(self.records_path)
-        return list({(row["cell_id"], row["sample_id"]): row for row in rows}.values())
+        attempts = {row["cell_id"]: row["attempt"] for row in rows if "attempt" in row}
+        if not attempts:
+            return rows
+        attempts |= {cell_id: status["attempt"] for cell_id, status in self.cells().items() if "attempt" in status}
+        return [row for row in rows if row.get("attempt", attempts.get(row["cell_id"])) == attempts.get(row["cell_id"])]
 
     def cells(self) -> dict[str, dict[str, Any]]:
         """Final status per cell id (the last line for a cell wins)."""

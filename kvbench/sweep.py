@@ -211,10 +211,10 @@ def run_group(lm: LoadedModel, cells: list[Cell], done: set[tuple[str, str]], ou
 
 
 def _run_load(lm: LoadedModel, task: Task, cell: Cell, samples: list[Sample], outcomes: Outcomes) -> None:
-    """A load cell, whole: its records, then its status with what the service measured. A cell cut short runs again
-    whole (its service's times depend on every request), and its later records replace the earlier
-    (`RunFolder.records`)."""
-    started = time.perf_counter()
+    """A load cell, whole: its records, then its status with what the service measured, both marked with this
+    attempt. A cell cut short runs again whole (its service's times depend on every request), and only the attempt
+    its status names counts (`RunFolder.records`)."""
+    started, attempt = time.perf_counter(), now()
     try:
         records, measured = run_load(lm, task, cell, samples, lambda ended, offered: outcomes.running(
             f"{cell.label} {ended}/{offered} requests"))
@@ -224,9 +224,10 @@ def _run_load(lm: LoadedModel, task: Task, cell: Cell, samples: list[Sample], ou
         return
     for row in records:
         outcomes.record({"cell_id": cell.id, "cell": cell.description, **row,
-                         "dtype": str(lm.dtype).removeprefix("torch.")}, None)
+                         "dtype": str(lm.dtype).removeprefix("torch."), "attempt": attempt}, None)
     outcomes.cell({"cell_id": cell.id, "cell": cell.description, "status": "ok", "samples": len(records),
-                   "seconds": round(time.perf_counter() - started, 3), "finished": now(), **measured}, None)
+                   "seconds": round(time.perf_counter() - started, 3), "finished": now(), "attempt": attempt,
+                   **measured}, None)
 
 
 @dataclass

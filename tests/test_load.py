@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ from kvbench.session import RunSettings, Session
 from kvbench.summary import summarize
 from tests.conftest import random_ids
 from tests.helpers import assert_rejected_in_one_line
-from tests.test_sweep import sweep, write_config
+from tests.test_sweep import sweep, sweep_until, write_config
 
 SETTINGS = {"full": None, "window": 16, "h2o": 16, "streaming_llm": 16, "snapkv": 40}
 
@@ -159,7 +161,7 @@ def test_a_load_sweep_records_its_requests_and_a_rerun_counts_none_twice(tmp_pat
     assert len(statuses) == 4 and all(s["load"]["finished"] + s["load"]["rejected"] == 6 for s in statuses.values())
     frame = summarize(run)
     assert frame["goodput"].notna().all() and set(frame["load_rate"]) == {5, 50}
-    # a load cell cut short after its records: it runs again whole, and its later records replace the earlier
+    # a load cell cut short after its records: it runs again whole, and only the rerun's records count
     lines = (run / "cells.jsonl").read_text().splitlines()
     (run / "cells.jsonl").write_text("\n".join(lines[:-1]) + "\n")
     before = (run / "records.jsonl").read_text().count("\n")
@@ -168,6 +170,23 @@ def test_a_load_sweep_records_its_requests_and_a_rerun_counts_none_twice(tmp_pat
     keys = [(r["cell_id"], r["sample_id"]) for r in folder.records()]
     assert len(keys) == len(set(keys)) == sum(s["load"]["finished"] for s in folder.cells().values())
     assert "Under load" in (run / "summary.md").read_text()
+
+
+def test_a_load_sweep_killed_mid_run_resumes_with_every_request_counted_once(tmp_path):
+    config = write_config(tmp_path, {**LOAD, "policies": ["full", "window", "h2o"]})
+    run = tmp_path / "run"
+    process = sweep_until(config, run, records=1)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    sweep(config, run)
+    folder = RunFolder(run)
+    statuses = folder.cells()
+    assert len(statuses) == 6
+    counted: dict[str, int] = {}
+    for row in folder.records():
+        counted[row["cell_id"]] = counted.get(row["cell_id"], 0) + 1
+        assert row["attempt"] == statuses[row["cell_id"]]["attempt"]
+    assert counted == {cell_id: status["load"]["finished"] for cell_id, status in statuses.items()}
 
 
 @pytest.mark.parametrize("load, culprit", [
