@@ -125,6 +125,8 @@ def shared_prefill(lm: LoadedModel, ids: list[int] | list[list[int]], observers:
 
     prompts = [row for row in ids if isinstance(row, list)] or [cast("list[int]", ids)]
     batch = left_padded(lm, prompts) if len(prompts) > 1 else None
+    for policy in observers:  # each gathers its statistics here: made ready for the model as its own session would
+        policy.prepare(lm)
     session = Session(lm, Full(), RunSettings(), prompt_tokens=[len(p) for p in prompts], adds=0,
                       observers=observers, left_padding=None if batch is None else batch[1])
     with session:

@@ -18,7 +18,8 @@ def pattern_folder(work: Path, case: dict, model: str) -> Path:
 
 
 # a calibrated policy's parameter naming its artifact folder, by `calibrated:` method
-ARTIFACT_PARAMS = {"qfilter": "filters"}
+ARTIFACT_PARAMS = {"qfilter": "filters", "kvzap-linear": "kvzap_model", "kvzap-mlp": "kvzap_model",
+                   "expected-attention": "stats_folder"}
 
 
 def artifact_folder(work: Path, case: dict, model: str) -> Path:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -15,7 +16,7 @@ import transformers
 import yaml
 from transformers import AutoTokenizer
 
-from kvbench.calibrate import Settings, calibrate
+from kvbench.calibrate import SIZES, calibrate
 from kvbench.models import load_model, local_source
 from kvbench.tasks.corpus import load_corpus
 from parity import artifact_folder, pattern_folder
@@ -26,8 +27,9 @@ CASES = Path(__file__).with_name("cases.yaml")
 # scale), drawn per channel as a trained norm's are (a norm of equal weights gives every key one length)
 SHARPEN, SHARPEN_NORMED = 12.0, 2.0
 SEED = 3
-# a calibration small enough for CPU: the embedded corpus through each model (its own tokenizer)
-CALIBRATION = Settings(documents=2, tokens=256)
+# a calibration small enough for CPU: 2 windows of 256 tokens of the embedded corpus through each model (its own
+# tokenizer), all trained on: the parity check compares what both sides keep with one artifact, not its quality
+CALIBRATION = {"documents": 2, "tokens": 256, "held_out": 0}
 
 
 def random_model(shape: str, folder: Path) -> None:
@@ -98,7 +100,8 @@ def main(work: Path) -> None:
                 write_pattern(pattern_folder(work, case, spec["name"]), folder, case["pattern"])
             if "calibrated" in case:  # kvbench's artifact, which both sides load
                 lm = load_model(str(folder), dtype="float32", device="cpu")
-                calibrate(lm, case["calibrated"], "embedded", CALIBRATION, artifact_folder(work, case, spec["name"]))
+                settings = replace(SIZES[case["calibrated"]][0], **CALIBRATION)
+                calibrate(lm, case["calibrated"], "embedded", settings, artifact_folder(work, case, spec["name"]))
         print(f"parity: {spec['name']}: prompts of {[len(p) for p in prompts[spec['name']]]} tokens", flush=True)
     (work / "prompts.json").write_text(json.dumps(prompts))
 

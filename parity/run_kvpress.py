@@ -70,10 +70,19 @@ def local_pattern(folder: Path):
     return load
 
 
-def local_qfilters(folder: Path):
-    """QFilterPress's `load_q_filters`, reading kvbench's calibration in `folder` (kvpress's own QFilters format)
-    instead of the `nthngdy/*_qfilt` download."""
-    return lambda model_name: kvpress.presses.qfilter_press.QFilters.from_pretrained(folder).q_filters
+def load_artifact(press, method: str, folder: Path) -> None:
+    """Make `press` (or the press it wraps: DMSPress's) read kvbench's calibration in `folder`, saved in kvpress's own
+    format, instead of its hub download: QFilterPress's `nthngdy/*_qfilt`, KVzapPress's `nvidia/KVzap-*`,
+    ExpectedAttentionStatsPress's `alessiodevoto/exp_att_stats_*`."""
+    inner = getattr(press, "press", press)
+    if method == "qfilter":
+        filters = kvpress.presses.qfilter_press.QFilters.from_pretrained(folder).q_filters
+        inner.load_q_filters = lambda model_name: filters
+    elif method == "expected-attention":
+        inner.stats_folder = str(folder)
+    else:  # kvzap-linear, kvzap-mlp: the folder KVzapModel.from_pretrained loads, in place of the hub name's
+        surrogate = kvpress.presses.kvzap_press.KVzapModel.from_pretrained(folder)
+        inner.post_init_from_model = lambda model: setattr(inner, "kvzap_model", surrogate)
 
 
 def prompt_keys(model, ids: torch.Tensor) -> list[torch.Tensor]:
@@ -131,7 +140,7 @@ def main(work: Path, cases: list[str] | None = None) -> None:
             for case in config["cases"]:
                 press = build_press(case["kvpress"])
                 if "calibrated" in case:
-                    press.load_q_filters = local_qfilters(artifact_folder(work, case, name))
+                    load_artifact(press, case["calibrated"], artifact_folder(work, case, name))
                 if "pattern" in case:  # the press decides its own counts from its pattern
                     press.load_attention_pattern = local_pattern(pattern_folder(work, case, name))
                 elif "threshold" not in case and not case.get("press_counts"):  # else the press decides its counts:

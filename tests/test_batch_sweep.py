@@ -53,6 +53,8 @@ POLICY_SPECS = [
     {"name": "merge", "recent": 4, "sinks": 2}, {"name": "scissorhands", "history": 8, "recent": 4}, "random",
     {"name": "kvzip", "chunk": 64}, {"name": "kvzip_plus", "chunk": 64},
     {"name": "adaptive", "limit_bytes": 20000, "fallback": "h2o"}, {"name": "qfilter", **NEEDED_PARAMS["qfilter"]},
+    {"name": "kvzap", **NEEDED_PARAMS["kvzap"]},
+    {"name": "expected_attention_stats", **NEEDED_PARAMS["expected_attention_stats"], "n_future_positions": 16},
     {"name": "razorattention", "calibration_tokens": 32, "induction": 0.25},
     {"name": "duoattention", **NEEDED_PARAMS["duoattention"]},
     {"name": "simlayerkv", "lazy_threshold": 0.5}, {"name": "rkv", "window": 4, "buffer": 4},

@@ -3,6 +3,8 @@ case builds in kvbench and says why it may differ, agreement is measured as stat
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import yaml
@@ -19,8 +21,8 @@ def test_every_case_builds_and_states_its_tolerance_and_reason():
     names = [case["name"] for case in CONFIG["cases"]]
     assert len(names) == len(set(names))
     assert {"snapkv", "streaming_llm", "knorm", "tova", "pyramidkv", "expected_attention", "keydiff", "lagkv",
-            "chunkkv", "criticalkv", "ada_kv", "kvzip", "kvzip_plus", "qfilter", "duoattention", "think",
-            "snapkv+think"} <= set(names)
+            "chunkkv", "criticalkv", "ada_kv", "kvzip", "kvzip_plus", "qfilter", "kvzap", "dms_kvzap",
+            "expected_attention_stats", "duoattention", "think", "snapkv+think"} <= set(names)
     for case in CONFIG["cases"]:
         # a case with a pattern reads the one parity.prepare writes; any pattern builds it here
         pattern = {"pattern": NEEDED_PARAMS["duoattention"]["pattern"]} if "pattern" in case else {}
@@ -38,7 +40,10 @@ def test_a_threshold_case_protects_the_window_kvpress_protects():
     cases = [case for case in CONFIG["cases"] if "threshold" in case]
     assert cases
     for case in cases:
-        assert case["kvpress"]["class"] == "DMSPress" and case["kvpress"]["threshold"] == case["threshold"]
+        # kvzap's threshold applies to exp of the prediction, KVzapPress's to the prediction (a log score)
+        theirs = case["kvpress"]["threshold"]
+        assert case["kvpress"]["class"] == "DMSPress" and case["threshold"] == pytest.approx(
+            math.exp(theirs) if case["kvpress"]["press"]["class"] == "KVzapPress" else theirs, rel=1e-12)
         assert case["kvpress"]["sliding_window_size"] == build_spec(case["kvbench"]).window
 
 
