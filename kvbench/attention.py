@@ -60,9 +60,10 @@ def kvbench_attention(
     observer = kwargs.get("kv_observer")
     scaling = scaling if scaling is not None else cast(float, module.scaling)
     if isinstance(observer, JointCache):  # a joint step: each row attends over its own cache, as it does alone
+        rows = observer.row_entries(cast(int, module.layer_idx))
         return torch.cat([kvbench_attention(module, query[row : row + 1], keys, values, None, scaling,
                                             **{**kwargs, "kv_observer": cache})[0]
-                          for row, (cache, keys, values) in enumerate(observer.row_entries(module.layer_idx))]), None
+                          for row, (cache, keys, values) in enumerate(rows)]), None
     if observer is None:  # a stock cache (slots are positions): transformers' mask is right, only softcap is ours
         kind, padding = LayerKind(softcap=kwargs.get("softcap")), None
     else:

@@ -83,12 +83,14 @@ class SloConfig(Strict):
 
 
 class LoadConfig(Strict):
-    """Cells under load (kvbench/serving.py), one per arrival rate (Poisson, requests/s) or closed loop of `users`:
-    `requests` drawn from the task's samples share a KV pool (`kv_pool`: bytes as `512MiB`, or `4096 tokens` of the
-    model's full cache; or `pressure`, a share of the GPU memory free when the cell starts)."""
+    """Cells under load (kvbench/serving.py), one per arrival rate (Poisson, requests/s) or closed loop of `users`, or
+    one replaying a `trace` file: `requests` drawn from the task's samples (a trace's: one per line) share a KV pool
+    (`kv_pool`: bytes as `512MiB`, or `4096 tokens` of the model's full cache; or `pressure`, a share of the GPU
+    memory free when the cell starts)."""
 
     rates: list[float] | None = Field(None, min_length=1)
     users: list[int] | None = Field(None, min_length=1)
+    trace: str | None = None  # JSON lines: arrival_s, and optionally prompt and max_tokens
     requests: int = Field(32, gt=0)
     kv_pool: str | None = None
     pressure: float | None = Field(None, gt=0, le=1)
@@ -99,8 +101,13 @@ class LoadConfig(Strict):
 
     @model_validator(mode="after")
     def _arrivals(self) -> LoadConfig:
-        if (self.rates is None) == (self.users is None):
-            raise ValueError("give 'rates' (Poisson arrivals, requests/s) or 'users' (a closed loop), one of them")
+        if sum(given is not None for given in (self.rates, self.users, self.trace)) != 1:
+            raise ValueError("give 'rates' (Poisson arrivals, requests/s), 'users' (a closed loop) or 'trace' (a "
+                             "file of arrivals), one of them")
+        if self.trace is not None:
+            from kvbench.serving import read_trace
+
+            _checked(read_trace, self.trace)
         if any(rate <= 0 for rate in self.rates or []) or any(users < 1 for users in self.users or []):
             raise ValueError(f"rates must be positive and users at least 1, got {self.rates or self.users}")
         if self.kv_pool is not None and self.pressure is not None:
@@ -113,9 +120,16 @@ class LoadConfig(Strict):
 
     def conditions(self) -> list[dict[str, Any]]:
         """Each load cell's `load` description: its arrivals, and what every cell of the sweep shares."""
-        shared = self.model_dump(exclude={"rates", "users"})
+        shared = self.model_dump(exclude={"rates", "users", "trace"})
+        # a trace is named by its content too, so an edited trace is a new cell
+        traced = [] if self.trace is None else \
+            [{"trace": self.trace, "trace_sha256": _file_digest(self.trace), **shared}]
         return [{"rate": rate, **shared} for rate in self.rates or []] + \
-            [{"users": users, **shared} for users in self.users or []]
+            [{"users": users, **shared} for users in self.users or []] + traced
+
+
+def _file_digest(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
 class PolicySpec(NamedSpec):

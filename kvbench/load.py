@@ -1,10 +1,10 @@
 """A load cell: its requests drawn from the task's samples, served (kvbench/serving.py), and its records.
 
-Each finished request is a record as a sample's is (its prediction scored by the task, its cache as its own
-cache held it), with the request's latencies in place of an unloaded run's speed columns and `sample_id`
-`<request>:<sample>`, so that every policy's request k is the same prompt and the summary pairs them. What the
-service measured as a whole (throughput, percentiles, goodput, rejections, the timeline) is the cell's.
-"""
+Each finished request is a record as a sample's is (its prediction scored by the task, its cache as its own cache held
+it; a trace's own prompt is not scored: its score is NaN), with the request's latencies in place of an unloaded run's
+speed columns and `sample_id` `<request>:<sample>`, so that every policy's request k is the same prompt and the summary
+pairs them. What the service measured as a whole (throughput, percentiles, goodput, rejections, the timeline) is the
+cell's."""
 
 from __future__ import annotations
 
@@ -20,15 +20,16 @@ from kvbench.measure import PeakMemory
 from kvbench.measurements import MEMORY_PEAKS
 from kvbench.models import LoadedModel
 from kvbench.runner import record
-from kvbench.serving import Load, Service, pool_bytes, service_metrics
+from kvbench.serving import Load, Service, TraceRequest, pool_bytes, read_trace, service_metrics
 from kvbench.tasks.base import Sample, Task, encode_prompt
 
 
-def cell_load(lm: LoadedModel, cell: Cell) -> Load:
-    """The `Load` a cell's `load` description gives on `lm` (its pool resolved)."""
+def cell_load(lm: LoadedModel, cell: Cell, trace: list[TraceRequest] | None) -> Load:
+    """The `Load` a cell's `load` description gives on `lm` (its pool resolved; a trace's arrivals)."""
     d = cell.description
     spec = d["load"]
-    return Load(requests=spec["requests"], rate=spec.get("rate"), users=spec.get("users"),
+    return Load(requests=spec["requests"] if trace is None else len(trace), rate=spec.get("rate"),
+                users=spec.get("users"), arrivals=None if trace is None else tuple(t.arrival_s for t in trace),
                 pool_bytes=pool_bytes(lm, spec["kv_pool"], spec["pressure"]), timeout_s=spec["timeout_s"],
                 max_queue=spec["max_queue"], horizon_s=spec["horizon_s"], slo_ttft_s=spec["slo"]["ttft_s"],
                 slo_tpot_s=spec["slo"]["tpot_s"], seed=d["seed"])
@@ -45,10 +46,17 @@ def run_load(lm: LoadedModel, task: Task, cell: Cell, samples: list[Sample],
     """Serve the cell's requests: the finished requests' records, and the cell's `load` (`service_metrics`) and
     `timeline` (one entry per decode step)."""
     d = cell.description
-    policy, settings, load = cell.policy(), cell.settings(), cell_load(lm, cell)
+    trace = read_trace(d["load"]["trace"]) if "trace" in d["load"] else None
+    policy, settings, load = cell.policy(), cell.settings(), cell_load(lm, cell, trace)
     drawn = drawn_samples(samples, load.requests, d["seed"])
-    prompts = [Prompt(*encode_prompt(lm.tokenizer, sample), settings.max_new_tokens or sample.max_new_tokens,
-                      sample.stop) for sample in drawn]
+    limits = [settings.max_new_tokens or sample.max_new_tokens for sample in drawn]
+    if trace is not None:  # a trace's own prompts and output limits
+        drawn = [Sample(f"trace-{index}", line.prompt, "", [], stop=()) if line.prompt is not None else sample
+                 for index, (line, sample) in enumerate(zip(trace, drawn, strict=True))]
+        limits = [line.max_tokens or limit for line, limit in zip(trace, limits, strict=True)]
+    encoded = [encode_prompt(lm.tokenizer, sample) for sample in drawn]
+    prompts = [Prompt(context, question, limit, sample.stop)
+               for (context, question), sample, limit in zip(encoded, drawn, limits, strict=True)]
     with PeakMemory(lm.devices) as memory:
         served = Service(lm, policy, settings, prompts, load, lambda: dataclasses.replace(policy), memory,
                          on_step).run()
@@ -59,7 +67,9 @@ def run_load(lm: LoadedModel, task: Task, cell: Cell, samples: list[Sample],
         text, tokens = answer(lm, request.tokens, lm.eos_token_ids, request.prompt.stop)
         measured = {**request.measured, **request.latencies(),
                     **{column: getattr(memory, name) for column, name in MEMORY_PEAKS.items()}}  # the service's
-        row = record(lm, task, policy, sample, settings, d["context_length"], d["seed"],
-                     Generation(text, tokens, None, measured))
+        generation = Generation(text, tokens, None, measured)
+        unscored = {"prediction": text, "references": [], "scores": {"score": float("nan")}}  # a trace's own prompt
+        row = record(lm, task, policy, sample, settings, d["context_length"], d["seed"], generation,
+                     outcome=unscored if sample.id.startswith("trace-") else None)
         records.append({**row, "sample_id": f"{request.index:04d}:{sample.id}", "request": request.index})
     return records, {"load": service_metrics(served, load), "timeline": served.timeline}

@@ -59,8 +59,8 @@ def evaluate_rows(lm: LoadedModel, task: Task, policy: Policy, samples: list[Sam
 
 
 def record(lm: LoadedModel, task: Task, policy: Policy, sample: Sample, settings: RunSettings, context_length: int,
-           seed: int, generation: Generation) -> dict[str, Any]:
-    """One sample's record: what ran, its task fields and its measurements."""
+           seed: int, generation: Generation, outcome: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One sample's record: what ran, its task fields (`outcome`: instead of the task's) and its measurements."""
     return {
         "model": lm.spec,
         "task": task.describe(),
@@ -74,7 +74,7 @@ def record(lm: LoadedModel, task: Task, policy: Policy, sample: Sample, settings
         "question": settings.question,
         "evict_every": settings.evict_every,
         "seed": seed,
-        **task.outcome(generation, sample),
+        **(task.outcome(generation, sample) if outcome is None else outcome),
         "higher_is_better": task.higher_is_better,
         "scenario": task.workload(),
         "meta": sample.meta,

@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,14 +41,16 @@ from kvbench.settings import RunSettings, resolve_budget
 
 @dataclass(frozen=True)
 class Load:
-    """How requests arrive and what the service holds: Poisson arrivals at `rate` requests/s, or a closed loop of
-    `users` (each sends its next request when its last one ended); `requests` in all. `pool_bytes` of KV memory
-    (None: unbounded). A request waits in the queue at most `timeout_s`, the queue holds at most `max_queue`, and
-    whatever has not ended by `horizon_s` is rejected. `slo_ttft_s` and `slo_tpot_s`: what a good request meets."""
+    """How requests arrive and what the service holds: Poisson arrivals at `rate` requests/s, a closed loop of `users`
+    (each sends its next request when its last one ended), or a trace's `arrivals`; `requests` in all. `pool_bytes`
+    of KV memory (None: unbounded). A request waits in the queue at most `timeout_s`, the queue holds at most
+    `max_queue`, and whatever has not ended by `horizon_s` is rejected. `slo_ttft_s` and `slo_tpot_s`: what a good
+    request meets."""
 
     requests: int
     rate: float | None = None
     users: int | None = None
+    arrivals: tuple[float, ...] | None = None  # a trace's arrival times, one per request
     pool_bytes: int | None = None
     timeout_s: float | None = None
     max_queue: int | None = None
@@ -124,6 +127,42 @@ def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
     return [0.0, *np.cumsum(gaps[1:]).tolist()]
 
 
+@dataclass(frozen=True)
+class TraceRequest:
+    """One line of a trace: when it arrives (seconds from the start), and optionally its prompt (text, sent as a
+    user turn and not scored) and its most output tokens."""
+
+    arrival_s: float
+    prompt: str | None = None
+    max_tokens: int | None = None
+
+
+def read_trace(path: str | Path) -> list[TraceRequest]:
+    """A trace file, JSON lines of `{"arrival_s": 0.5, "prompt": "...", "max_tokens": 64}` (only `arrival_s` is
+    needed), in arrival order; a bad line is a one-line error naming it."""
+    from kvbench.results import read_jsonl
+
+    source = Path(path)
+    if not source.is_file():
+        raise KvbenchError(f"load trace '{path}': no such file")
+    requests = []
+    for number, line in enumerate(read_jsonl(source), start=1):
+        try:
+            request = TraceRequest(**line)
+            valid = isinstance(request.arrival_s, int | float) and request.arrival_s >= 0 and \
+                (request.prompt is None or isinstance(request.prompt, str)) and \
+                (request.max_tokens is None or isinstance(request.max_tokens, int) and request.max_tokens > 0)
+        except TypeError:
+            valid = False
+        if not valid:
+            raise KvbenchError(f"load trace {path}:{number}: want {{\"arrival_s\": seconds >= 0, \"prompt\": text, "
+                               f"\"max_tokens\": a positive integer}} (only arrival_s needed), got {line}")
+        requests.append(request)
+    if not requests:
+        raise KvbenchError(f"load trace '{path}': no requests in it")
+    return sorted(requests, key=lambda r: r.arrival_s)
+
+
 def cache_need(lm: LoadedModel, policy: Policy, settings: RunSettings, prompt: Prompt) -> int:
     """Bytes the request's cache needs at its largest, judged from its lengths before it runs: the prompt's whole
     cache while the policy compresses it beside the buffer it keeps (a chunked prefill: one chunk beyond the
@@ -185,8 +224,9 @@ class Service:
         self.fresh_policy, self.on_step = fresh_policy, on_step
         self.eos = lm.eos_token_ids
         if load.users is None:
-            assert load.rate is not None, "open-loop load needs a rate"
-            times = poisson_arrivals(len(prompts), load.rate, load.seed)
+            assert load.rate is not None or load.arrivals is not None, "open-loop load needs a rate or a trace"
+            times = list(load.arrivals) if load.arrivals is not None else \
+                poisson_arrivals(len(prompts), load.rate, load.seed)  # type: ignore[arg-type]
             self.requests = [Request(i, p, t) for i, (p, t) in enumerate(zip(prompts, times, strict=True))]
         else:  # a closed loop: each user's first request at 0, the next when the last one ended
             self.requests = [Request(i, p, 0.0 if i < load.users else float("inf"), user=i % load.users)
@@ -303,10 +343,9 @@ class Service:
     # --- decoding -----------------------------------------------------------------------------------------
     def _step(self) -> None:
         """One joint decode step of the running requests, then the ends it reached and the pool's check."""
-        sessions = [r.session for r in self.running]
-        assert all(s is not None for s in sessions)
-        evicted = [s.cache.evictions for s in sessions]  # type: ignore[union-attr]
-        logits = step_together(sessions, [r.tokens[-1] for r in self.running])  # type: ignore[arg-type]
+        sessions = [r.session for r in self.running if r.session is not None]
+        evicted = sum(s.cache.evictions for s in sessions)
+        logits = step_together(sessions, [r.tokens[-1] for r in self.running])
         for request, token in zip(self.running, logits.argmax(-1).tolist(), strict=True):
             request.tokens.append(int(token))
         held = self.held_bytes()
@@ -315,8 +354,8 @@ class Service:
             "running": len(self.running),
             "queued": len(self.queue),
             "pool_bytes": held,
-            "evictions": sum(s.cache.evictions for s in sessions) - sum(evicted),  # type: ignore[union-attr]
-            "kept_mean": float(np.mean([s.cache.stats().kept_mean for s in sessions])),  # type: ignore[union-attr]
+            "evictions": sum(s.cache.evictions for s in sessions) - evicted,
+            "kept_mean": float(np.mean([s.cache.stats().kept_mean for s in sessions])),
         })
         self._finish_ended()
         self._preempt()

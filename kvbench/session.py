@@ -232,9 +232,10 @@ class Session:
         ids = self._inputs([int(token)] if isinstance(token, int) else token.reshape(self.rows, 1))
         self.begin_step()
         clock = Stopwatch(self.lm.devices)
-        self.end_step(self._forward(ids)[:, -1])
+        logits = self._forward(ids)[:, -1]
+        self.end_step(logits)
         self.step_s.append(clock.lap())
-        return self.logits
+        return logits
 
     def begin_step(self) -> None:
         """Before a decode step's forward (this session's own, or a joint step of several: kvbench/joint.py)."""

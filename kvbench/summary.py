@@ -254,7 +254,8 @@ def load_label(load: dict[str, Any] | None) -> str:
     """A load cell's arrivals and pool: `2 req/s, pool 350 KiB`; `-` for any other cell."""
     if load is None:
         return "-"
-    arrivals = f"{load['rate']:g} req/s" if "rate" in load else f"{load['users']} users"
+    arrivals = f"{load['rate']:g} req/s" if "rate" in load else f"{load['users']} users" if "users" in load \
+        else f"trace {Path(load['trace']).name}"
     pool = f"pool {load['kv_pool']}" if load["kv_pool"] else f"pool {load['pressure']:.0%} free" \
         if load["pressure"] else "no pool"
     return f"{arrivals}, {pool}"

@@ -215,3 +215,27 @@ def test_the_load_config_shipped_is_valid():
     assert config.load is not None and len(config.load.rates or []) >= 3
     assert {p.name for p in config.policies} >= {"full", "window", "snapkv", "h2o"}
     json.dumps(yaml.safe_load((Path(__file__).resolve().parent.parent / "configs" / "load.yaml").read_text()))
+
+
+def test_a_trace_replays_its_arrivals_prompts_and_output_limits(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps(line) for line in [
+        {"arrival_s": 0.0}, {"arrival_s": 0.05, "max_tokens": 2},
+        {"arrival_s": 0.1, "prompt": "Say hello.", "max_tokens": 3}]) + "\n")
+    config = write_config(tmp_path, {**LOAD, "policies": ["full"], "load": {"trace": str(trace), "kv_pool": "1MiB"}})
+    run = tmp_path / "run"
+    sweep(config, run)
+    (status,) = RunFolder(run).cells().values()
+    assert status["load"]["offered"] == 3 and status["cell"]["load"]["trace_sha256"]
+    records = sorted(RunFolder(run).records(), key=lambda r: r["request"])
+    assert [r["arrival_s"] for r in records] == [0.0, 0.05, 0.1]
+    assert records[1]["generated_tokens"] <= 2 and records[2]["generated_tokens"] <= 3
+    assert records[2]["sample_id"].endswith("trace-2") and records[2]["scores"]["score"] != records[2]["scores"][
+        "score"]  # NaN: a trace's own prompt is not scored
+
+
+def test_a_bad_trace_line_is_one_line_naming_it(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"arrival_s": 0}\n{"arrival": 1}\n')
+    config = write_config(tmp_path, {**LOAD, "load": {"trace": str(trace)}})
+    assert_rejected_in_one_line(config, "trace.jsonl:2", tmp_path / "run")
