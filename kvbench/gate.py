@@ -27,7 +27,7 @@ from kvbench.budgets import budget_suffix
 from kvbench.columns import Column, gated
 from kvbench.errors import KvbenchError
 from kvbench.results import RunFolder, now
-from kvbench.summary import bootstrap_ci
+from kvbench.summary import bootstrap_ci, load_label
 
 FORMAT = "kvbench-baseline/1"
 
@@ -120,8 +120,9 @@ def _policy_label(cell: dict[str, Any]) -> str:
 
 
 def _label(cell: dict[str, Any]) -> str:
+    load = f" at {load_label(cell['load'])}" if "load" in cell else ""
     return (f"{cell['task']['name']} L={cell['context_length']} {cell['question']} {_policy_label(cell)}"
-            f"{budget_suffix(cell['budget'])}")
+            f"{budget_suffix(cell['budget'])}{load}")
 
 
 @functools.lru_cache(maxsize=256)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from kvbench.cli import app
 from kvbench.generation import Prompt, answer, generate
 from kvbench.joint import step_together
 from kvbench.measure import PeakMemory
@@ -21,7 +22,7 @@ from kvbench.session import RunSettings, Session
 from kvbench.summary import summarize
 from tests.conftest import random_ids
 from tests.helpers import assert_rejected_in_one_line
-from tests.test_sweep import sweep, sweep_until, write_config
+from tests.test_sweep import runner, sweep, sweep_until, write_config
 
 SETTINGS = {"full": None, "window": 16, "h2o": 16, "streaming_llm": 16, "snapkv": 40}
 
@@ -170,6 +171,13 @@ def test_a_load_sweep_records_its_requests_and_a_rerun_counts_none_twice(tmp_pat
     keys = [(r["cell_id"], r["sample_id"]) for r in folder.records()]
     assert len(keys) == len(set(keys)) == sum(s["load"]["finished"] for s in folder.cells().values())
     assert "Under load" in (run / "summary.md").read_text()
+    # the gate reads load cells as every cell: a rerun's answers are the same, request by request
+    baseline = tmp_path / "baseline.json"
+    assert runner.invoke(app, ["baseline", str(run), "--out", str(baseline)]).exit_code == 0
+    gated = runner.invoke(app, ["gate", str(run), "--baseline", str(baseline), "--strict-predictions", "--strict",
+                                "--markdown", str(tmp_path / "gate.md")])
+    assert gated.exit_code == 0, gated.output
+    assert "at 50 req/s, pool 600 tokens" in (tmp_path / "gate.md").read_text()
 
 
 def test_a_load_sweep_killed_mid_run_resumes_with_every_request_counted_once(tmp_path):
