@@ -133,6 +133,7 @@ def cell_task(cell: Cell) -> Task:
 
 def sharable(cell: Cell) -> bool:
     """Whether the cell may start from the sample's shared prompt forward: not a speed cell (it times its
-    own) nor a memory-pressure one (the prompt's forward is what may not fit)."""
+    own), a memory-pressure one (the prompt's forward is what may not fit) nor a load cell (a service prefills
+    each request as it is admitted)."""
     d = cell.description
-    return d["prefill"]["mode"] == "full" and "timing" not in d and "memory" not in d
+    return d["prefill"]["mode"] == "full" and "timing" not in d and "memory" not in d and "load" not in d

@@ -120,10 +120,12 @@ class LoadConfig(Strict):
 
     def conditions(self) -> list[dict[str, Any]]:
         """Each load cell's `load` description: its arrivals, and what every cell of the sweep shares."""
+        from kvbench.serving import read_trace
+
         shared = self.model_dump(exclude={"rates", "users", "trace"})
         # a trace is named by its content too, so an edited trace is a new cell
-        traced = [] if self.trace is None else \
-            [{"trace": self.trace, "trace_sha256": _file_digest(self.trace), **shared}]
+        traced = [] if self.trace is None else [{"trace": self.trace, "trace_sha256": _file_digest(self.trace),
+                                                  **shared, "requests": len(read_trace(self.trace))}]
         return [{"rate": rate, **shared} for rate in self.rates or []] + \
             [{"users": users, **shared} for users in self.users or []] + traced
 

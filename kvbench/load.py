@@ -28,7 +28,7 @@ def cell_load(lm: LoadedModel, cell: Cell, trace: list[TraceRequest] | None) -> 
     """The `Load` a cell's `load` description gives on `lm` (its pool resolved; a trace's arrivals)."""
     d = cell.description
     spec = d["load"]
-    return Load(requests=spec["requests"] if trace is None else len(trace), rate=spec.get("rate"),
+    return Load(requests=spec["requests"], rate=spec.get("rate"),
                 users=spec.get("users"), arrivals=None if trace is None else tuple(t.arrival_s for t in trace),
                 pool_bytes=pool_bytes(lm, spec["kv_pool"], spec["pressure"]), timeout_s=spec["timeout_s"],
                 max_queue=spec["max_queue"], horizon_s=spec["horizon_s"], slo_ttft_s=spec["slo"]["ttft_s"],

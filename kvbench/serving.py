@@ -3,15 +3,15 @@ leave it at their end, on the engine's own sessions.
 
 The scheduler is prefill-then-join, first come first served, as vLLM's default scheduler without chunked prefill:
 between two decode steps it admits the request at the head of the queue when the pool has room for its cache (one
-prefill at a time), runs its prefill alone (a session of one row, so its policy compresses the prompt as it does
-alone), and the request then joins the joint decode step of every running request (kvbench/joint.py). Room is
-judged before the prefill from the request's lengths (`cache_need`: the prompt's full cache while a policy compresses
-it, then what the policy keeps plus the output), and checked after every step against the bytes the running caches
-really hold: a pool outgrown by decoding preempts the newest request, which goes back to the front of the queue and
-is recomputed from its prompt (its answer is its run alone's again; vLLM re-prefills the prompt with the output so
-far, which a prefill-time policy would then compress as prompt). A request waits at most `timeout_s` in the queue,
-the queue holds at most `max_queue`, and nothing runs past `horizon_s`: each request ends finished or rejected, with
-the reason.
+prefill at a time), runs its prefill alone (a session of one row, so its policy compresses the prompt as it does alone),
+and the request then joins the joint decode step of every running request (kvbench/joint.py). Room is judged before the
+prefill from the request's lengths (`cache_need`: the prompt's full cache while a policy compresses it, then what the
+policy keeps plus the output), beside what the running requests hold or will hold, and checked after every step against
+the bytes the running caches really hold: a pool outgrown by decoding preempts the newest request, which goes back to
+the front of the queue and is recomputed from its prompt (its answer is its run alone's again; vLLM re-prefills the
+prompt with the output so far, which a prefill-time policy would then compress as prompt). A request waits at most
+`timeout_s` in the queue, the queue holds at most `max_queue`, and nothing runs past `horizon_s`: each request ends
+finished or rejected, with the reason.
 
 Time is the wall clock, except that an idle service skips to the next arrival (nothing runs meanwhile, so no
 measurement changes).
@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -163,21 +163,40 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
     return sorted(requests, key=lambda r: r.arrival_s)
 
 
-def cache_need(lm: LoadedModel, policy: Policy, settings: RunSettings, prompt: Prompt) -> int:
-    """Bytes the request's cache needs at its largest, judged from its lengths before it runs: the prompt's whole
-    cache while the policy compresses it beside the buffer it keeps (a chunked prefill: one chunk beyond the
-    budget), or, after it, what the policy keeps plus the output (one eviction period's worth for a decode-time
-    policy, which keeps its budget). A storage layout's savings are not counted ahead."""
-    tokens = len(prompt.context) + len(prompt.question)
-    budget = resolve_budget(settings.budget, tokens)
+class Need(NamedTuple):
+    """Slots per layer a request's cache holds at its largest (`peak`, while its prompt is compressed) and once its
+    prompt is compressed, to its last token (`held`)."""
+
+    peak: int
+    held: int
+
+
+def cache_need(lm: LoadedModel, policy: Policy, settings: RunSettings, prompt: Prompt) -> Need:
+    """Bytes the request's cache holds at its largest and once its prompt is compressed, judged from its lengths
+    before it runs (`need_tokens`)."""
+    need = need_tokens(policy, settings, len(prompt.context) + len(prompt.question), prompt.max_new_tokens,
+                       lm.num_layers)
+    return Need(_bytes(lm, need.peak), _bytes(lm, need.held))
+
+
+def need_tokens(policy: Policy, settings: RunSettings, prompt_tokens: int, max_new_tokens: int, layers: int) -> Need:
+    """What a request's cache holds, as the session sizes its buffers: a full cache, its prompt plus output (its
+    buffer grows by the answer at once). A policy that compresses a whole prompt holds all of it and, for a moment,
+    one layer's compressed buffer beside it (the layers compress one after another); a chunked prefill holds the budget
+    plus a chunk throughout. Either buffer has that room beyond the budget; a decode-time policy stays in it, a
+    prefill-time one's output grows the buffer by the whole answer once the room is full (each layer's old buffer
+    beside its new one for a moment). A storage layout's savings are not counted ahead."""
+    budget = resolve_budget(settings.budget, prompt_tokens)
     schedule = policy.schedule
-    if budget is None or not schedule.evicts or budget >= tokens:
-        return _bytes(lm, tokens + prompt.max_new_tokens)
-    every = schedule.every or settings.evict_every
-    chunk = settings.prefill_chunk if settings.prefill == "chunked" else tokens
-    prefill = min(tokens, budget + chunk) + budget + max(every, chunk if chunk < tokens else 1)
-    after = budget + (every if schedule.decodes else prompt.max_new_tokens)
-    return _bytes(lm, max(prefill, after))
+    if budget is None or not schedule.evicts or budget >= prompt_tokens:
+        return Need(prompt_tokens + max_new_tokens, prompt_tokens + max_new_tokens)
+    chunked = settings.prefill == "chunked"
+    room = max(schedule.every or settings.evict_every, settings.prefill_chunk if chunked else 1)
+    buffer = budget + room
+    held = buffer if schedule.decodes or max_new_tokens <= room else buffer + 1 + max_new_tokens
+    moment = -(-buffer // layers)  # one layer's old buffer beside the others' new ones, or the prompt's beside its own
+    grown = held + moment if held > buffer else held
+    return Need(max(grown, buffer if chunked else prompt_tokens + moment), held)
 
 
 def pool_spec(text: str) -> tuple[int, str]:
@@ -300,15 +319,22 @@ class Service:
 
     # --- admission and prefill ---------------------------------------------------------------------------
     def held_bytes(self) -> int:
+        """Bytes the running requests' caches hold now."""
         return sum(r.session.cache.physical_bytes() for r in self.running if r.session is not None)
+
+    def reserved_bytes(self) -> int:
+        """Bytes the running requests hold or will hold: each one's own now, or what its cache grows to once its
+        prompt is compressed, whichever is more."""
+        return sum(max(r.session.cache.physical_bytes(), self.needs[r.index].held) for r in self.running
+                   if r.session is not None)
 
     def _admit(self) -> bool:
         """Prefill the head of the queue if the pool has room for it; one that could never fit is rejected."""
         if not self.queue:
             return False
         request, pool = self.queue[0], self.load.pool_bytes
-        need = self.needs[request.index]
-        if pool is not None and self.held_bytes() + need > pool:
+        need = max(self.needs[request.index])
+        if pool is not None and self.reserved_bytes() + need > pool:
             if not self.running:
                 self.queue.popleft()
                 self._reject(request, f"needs {need} bytes, over the pool of {pool}")

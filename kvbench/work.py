@@ -16,7 +16,7 @@ def cell_work(cells: list[Cell], share: bool, batch_size: int = 1) -> list[CellW
     for cell in cells:
         d = cell.description
         task = cell_task(cell)
-        samples = task.sample_count(d["samples"])
+        samples = d["load"]["requests"] if "load" in d else task.sample_count(d["samples"])
         prompt, decoded = task.work(d["context_length"], d["max_new_tokens"])
         shared = share and task.shares_prefill and sharable(cell) and cell.group in prompts_run
         prompts_run.add(cell.group)

@@ -17,7 +17,7 @@ from kvbench.measure import PeakMemory
 from kvbench.models import load_model
 from kvbench.policies import build_policy
 from kvbench.results import RunFolder
-from kvbench.serving import Load, Service, service_metrics
+from kvbench.serving import Load, Need, Service, need_tokens, service_metrics
 from kvbench.session import RunSettings, Session
 from kvbench.summary import summarize
 from tests.conftest import random_ids
@@ -104,7 +104,7 @@ def test_a_service_answers_every_request_as_it_runs_alone(tiny_llama):
 def test_decoding_past_the_pool_preempts_the_newest_and_recomputes_it(tiny_llama, monkeypatch):
     """Admission that undercounts (here: forced to) lets decoding outgrow the pool: the newest request goes back to
     the queue, is recomputed, and still answers as alone."""
-    monkeypatch.setattr("kvbench.serving.cache_need", lambda *args: 1)
+    monkeypatch.setattr("kvbench.serving.cache_need", lambda *args: Need(1, 1))
     prompts = _prompts(tiny_llama, 5, max_new_tokens=12)
     slot = 2 * tiny_llama.kv_heads * tiny_llama.head_dim * 4 * tiny_llama.num_layers
     served = _serve(tiny_llama, "full", prompts, Load(requests=5, rate=1000.0, pool_bytes=120 * slot))
@@ -114,6 +114,25 @@ def test_decoding_past_the_pool_preempts_the_newest_and_recomputes_it(tiny_llama
         assert request.ended
         if request.finished_s is not None:
             assert _answer(tiny_llama, request) == _alone(tiny_llama, "full", request.prompt)
+
+
+@pytest.mark.parametrize("name, budget, prefill, chunk", [
+    ("full", None, "full", 64), ("snapkv", 0.25, "full", 64), ("snapkv", 0.25, "chunked", 64),
+    ("snapkv", 0.25, "chunked", 32), ("h2o", 0.25, "full", 64), ("window", 0.25, "chunked", 64)])
+def test_admission_judges_a_cache_as_the_session_sizes_it(tiny_llama, name, budget, prefill, chunk):
+    """`need_tokens` before a request runs is what its cache then holds at its largest and after its prompt (an
+    answer of 40 tokens: within a chunk of 64, beyond one of 32)."""
+    prompt, answer = random_ids(300, seed=3), 40
+    settings = RunSettings(budget=budget, prefill=prefill, prefill_chunk=chunk)
+    session = Session(tiny_llama, build_policy(name, {}), settings, prompt_tokens=len(prompt), adds=answer)
+    session.prefill(prompt)
+    token = int(session.logits.argmax())
+    for _ in range(answer - 1):
+        token = int(session.step(token).argmax())
+    slot = 2 * tiny_llama.kv_heads * tiny_llama.head_dim * 4 * tiny_llama.num_layers
+    need = need_tokens(session.policy, settings, len(prompt), answer, tiny_llama.num_layers)
+    assert need.peak == -(-session.cache.peak_bytes // slot)  # one layer's compressed buffer: half a slot here
+    assert need.held == session.cache.physical_bytes() // slot
 
 
 def test_overload_ends_in_its_time_with_every_request_accounted_for(tiny_llama):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.markup import escape
@@ -182,6 +182,41 @@ def _dry_run(path: str, cfg, cells, folder, share: bool, workers: int | None) ->
                  f"{steps:,} decode steps; estimated time {estimate} (a floor from the model's shape: each prompt's "
                  f"FLOPs, each decode step's FLOPs or its reads of the weights and full caches, at {assumed})",
                  highlight=False)
+    for line in pool_lines([cell for cell in cells if "load" in cell.description], plans):
+        stdout.print(line, highlight=False)
+
+
+def pool_lines(cells: list[Cell], plans: dict[tuple[str, str], tuple[Any, float, Any]]) -> list[str]:
+    """Per load condition, how many requests each policy's cache lets the pool hold at once, from the model's shape
+    (its full-attention layers: a sliding window's cap is not counted)."""
+    from kvbench.cells import cell_task
+    from kvbench.estimate import human_bytes
+    from kvbench.serving import need_tokens, pool_spec
+    from kvbench.summary import load_label
+
+    lines: dict[str, list[str]] = {}
+    for cell in cells:
+        d = cell.description
+        if cell.model not in plans:
+            continue
+        shape, dtype_bytes, _ = plans[cell.model]
+        per_token = shape.bytes_per_token(dtype_bytes)
+        prompt, output = cell_task(cell).work(d["context_length"], d["max_new_tokens"])
+        need = need_tokens(cell.policy(), cell.settings(), prompt, output, shape.layers)
+        where = f"under load, {' '.join(cell.model)}, {prompt}-token prompts, {load_label(d['load'])}"
+        if d["load"]["kv_pool"] is None:
+            admitted = "its pool is known when it runs"
+        else:
+            count, unit = pool_spec(d["load"]["kv_pool"])
+            pool = count if unit == "bytes" else count * per_token
+            # while one request's prompt is compressed, the others hold what they keep
+            largest, held = max(need) * per_token, need.held * per_token
+            fits = 0 if largest > pool else 1 + int((pool - largest) // held)
+            admitted = f"{fits} at once ({human_bytes(held)} each, {human_bytes(need.peak * per_token)} while " \
+                       f"compressing its prompt; pool {human_bytes(pool)})"
+        budget = "" if d["budget"] is None else f" at {d['budget']}"
+        lines.setdefault(where, []).append(f"{cell.policy_label}{budget} {admitted}")
+    return [f"{where}: " + "; ".join(dict.fromkeys(counts)) for where, counts in lines.items()]
 
 
 def planned_device(device: str) -> torch.device:
