@@ -18,13 +18,14 @@ SUSTAINED = 0.9
 def load_figures(plt, frame: pd.DataFrame, statuses: dict[str, dict[str, Any]], panels, colour, label
                  ) -> dict[str, Any]:
     """Name -> figure for the load cells of `frame` (none without them). `statuses`: the cells' final status lines
-    (their timelines); `panels(count)` makes a row of axes, `colour(policy)` and `label(row)` as the other figures'."""
+    (their timelines); `panels(count, rows)` makes a figure's axes, `colour(policy)` and `label(row)` as the other
+    figures'."""
     loaded = frame[frame["load_rate"].notna()]
     if loaded.empty:
         return {}
     out: dict[str, Any] = {}
     for task, rows in loaded.groupby("task", sort=False):
-        figure, axes = panels(2)
+        figure, axes = panels(2, 1)
         for axis, measure in ((axes[0], "goodput"), (axes[1], "ttft_p99")):
             for (name, budget), series in rows.groupby([rows.apply(label, axis=1), "budget"], sort=False):
                 series = series.sort_values("load_rate")
@@ -40,21 +41,29 @@ def load_figures(plt, frame: pd.DataFrame, statuses: dict[str, dict[str, Any]], 
     return out
 
 
+# what a service monitors, a panel each: the timeline's key, its scale and its axis label
+MONITORED = (("running", 1.0, "running requests"), ("pool_bytes", 2**-20, "KV pool used (MiB)"),
+             ("queued", 1.0, "queued requests"), ("evictions", 1.0, "entries evicted per step"),
+             ("kept_mean", 1.0, "entries kept per layer and head\n(mean over running requests)"))
+
+
 def _timeline(rows: pd.DataFrame, statuses: dict[str, dict[str, Any]], panels, colour, label):
-    """Running requests, KV pool use and queue length over one rate's service time, a line per cell."""
-    figure, axes = panels(3)
+    """What the service held over one rate's time (`MONITORED`), a line per cell."""
+    figure, axes = panels(len(MONITORED), 2)
     for _, row in rows.iterrows():
         steps = statuses.get(row["cell_id"], {}).get("timeline") or []
         if not steps:
             continue
         seconds = np.array([step["t_s"] for step in steps])
         name = label(row) if row["budget"] == "-" else f"{label(row)} b={row['budget']}"
-        for axis, key, scale in ((axes[0], "running", 1.0), (axes[1], "pool_bytes", 2**-20), (axes[2], "queued", 1.0)):
+        for axis, (key, scale, _) in zip(axes, MONITORED, strict=False):
             axis.step(seconds, np.array([step[key] for step in steps]) * scale, where="post", alpha=0.8,
                       color=colour(row["policy"]), label=name)
-    for axis, ylabel in zip(axes, ("running requests", "KV pool used (MiB)", "queued requests"), strict=True):
+    for axis, (_, _, ylabel) in zip(axes, MONITORED, strict=False):
         axis.set(xlabel="service time (s)", ylabel=ylabel)
         axis.grid(alpha=0.3)
+    for axis in axes[len(MONITORED):]:
+        axis.set_visible(False)
     pool = rows["pool_bytes"].dropna()
     if not pool.empty:
         axes[1].axhline(float(pool.iloc[0]) / 2**20, color="grey", linestyle="--", label="pool")

@@ -149,8 +149,8 @@ def _figures(plt, frame: pd.DataFrame, records: list[dict[str, Any]], style: str
             out[f"kl_vs_position_{task}"] = _nll_curves(plt, fidelity, style, "kl_by_position",
                                                         "KL(full || policy), smoothed", "generated token")
             out[f"recall_by_layer_{task}"] = _recall_by_layer(plt, fidelity, style)
-    out.update(load_figures(plt, frame, statuses, lambda count: _panels(plt, count, style), policy_colour,
-                            _series_label))
+    out.update(load_figures(plt, frame, statuses, lambda count, rows: _panels(plt, count, style, rows),
+                            policy_colour, _series_label))
     out["memory_vs_context"] = _memory(plt, frame, style)
     out["speed_vs_budget"] = _speed(plt, frame, style)
     out["pareto" + suffix] = _pareto(plt, frame, style, x)
