@@ -13,13 +13,14 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from kvbench import kvzap
+from kvbench.budgets import Threshold
 from kvbench.calibrate import Settings, calibrate, corpus_documents
 from kvbench.cli import app
 from kvbench.errors import KvbenchError
 from kvbench.policies import build_policy
 from kvbench.tasks.corpus import load_corpus
 from tests.conftest import random_ids
-from tests.helpers import run_session
+from tests.helpers import NEEDED_PARAMS, run_session
 
 PROMPT, BUDGET = random_ids(96, seed=31), 40
 SETTINGS = Settings(documents=8, tokens=96, samples=96, held_out=2, hidden_dim=32, epochs=30)
@@ -148,3 +149,20 @@ def test_kvbench_calibrate_reports_the_held_out_scores_and_writes_where_the_poli
     run_session(lm, build_policy("kvzap", {"model_type": "linear"}), PROMPT, [], BUDGET)  # finds the model's own
     bad = CliRunner().invoke(app, arguments[:-1] + ["4"])
     assert bad.exit_code == 2 and "held_out must leave a document to train on: 4 of 4" in bad.output
+
+
+def test_under_a_threshold_decoding_it_holds_the_window_and_what_reaches_the_threshold(sharp_llama):
+    """DMSPress(KVzapPress, decoding=True): a token that leaves the window stays only if exp(score) >= t."""
+    params, window = {**NEEDED_PARAMS["kvzap"], "window": 8, "decode": True}, 8
+    whole, _ = run_session(sharp_llama, build_policy("kvzap", params), PROMPT, [], 10 * len(PROMPT))
+    threshold = float(whole.cache.layers[1].slot_stat(whole.policy.state_key).exp().median())  # about half go
+    session, _ = run_session(sharp_llama, build_policy("kvzap", params), PROMPT, random_ids(24, seed=2),
+                             Threshold(threshold))
+    for layer in session.cache.layers:
+        real = torch.ones_like(layer.live_positions(), dtype=torch.bool) if layer.padding() is None else \
+            ~layer.padding()
+        recent = layer.live_positions() >= layer.seen - window
+        assert ((recent & real).sum(dim=-1) == window).all()  # the newest `window` tokens, every one
+        reached = layer.slot_stat(session.policy.state_key).exp() >= threshold
+        assert (reached | recent)[real].all()  # the others reach the threshold
+        assert (real.sum(dim=-1) < layer.seen).all()  # and some went
