@@ -60,6 +60,12 @@ class Load:
     seed: int = 0
 
 
+# why a request is turned away: its cache cannot fit the empty pool, its decoding outgrew the pool while it ran
+# alone, it arrived at a full queue, waited past the timeout, or had not ended by the horizon
+REJECTED = ("larger than the pool", "outgrew the pool alone", "queue full", "timed out in the queue",
+            "not ended by the horizon")
+
+
 @dataclass
 class Request:
     """One request and what happened to it; times are seconds since the service started."""
@@ -73,7 +79,7 @@ class Request:
     finished_s: float | None = None
     tokens: list[int] = field(default_factory=list)
     preemptions: int = 0
-    rejected: str | None = None  # why it was turned away
+    rejected: str | None = None  # why it was turned away: one of REJECTED
     session: Session | None = None  # while it runs
     measured: dict[str, Any] = field(default_factory=dict)  # its session's measurements, taken as it finished
 
@@ -337,7 +343,7 @@ class Service:
         if pool is not None and self.reserved_bytes() + need > pool:
             if not self.running:
                 self.queue.popleft()
-                self._reject(request, f"needs {need} bytes, over the pool of {pool}")
+                self._reject(request, "larger than the pool")
             return False
         self.queue.popleft()
         if request.admitted_s is None:
@@ -408,7 +414,7 @@ class Service:
             newest = self.running.pop()
             newest.session, newest.tokens = None, []
             if not self.running:
-                self._reject(newest, f"outgrew the pool of {pool} bytes alone")
+                self._reject(newest, "outgrew the pool alone")
                 return
             newest.preemptions += 1
             self.preemptions += 1
@@ -437,8 +443,7 @@ def service_metrics(served: Served, load: Load) -> dict[str, Any]:
     rejected: dict[str, int] = {}
     for request in served.requests:
         if request.rejected is not None:
-            reason = request.rejected.split(",")[0]
-            rejected[reason] = rejected.get(reason, 0) + 1
+            rejected[request.rejected] = rejected.get(request.rejected, 0) + 1
     steps = served.timeline
     return {
         "offered": len(served.requests),
