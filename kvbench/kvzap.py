@@ -1,4 +1,4 @@
-"""KVzap's surrogates (Jegou et al. 2026, arXiv 2601.07891; kvpress's kvzap/train.py): per layer, a model from the
+"""KVzap's surrogates (arXiv 2601.07891; kvpress's kvzap/train.py): per layer, a model from the
 attention's input hidden state of a token to the log of its KVzip+ score, one output per KV head, so that a cache can
 be scored as it is written, without KVzip's reconstruction pass.
 
@@ -83,7 +83,8 @@ def load(folder: Path) -> Surrogate:
 @dataclass
 class _KVzipPlusTargets(KVzipPlus):
     """KVzip+ recording, for a calibration, the prompt's attention inputs `[n, hidden]` per layer as its forward
-    passes, and its KVzip+ scores `[kv_heads, n]` per layer once the reconstruction has run (before any eviction)."""
+    passes, and per layer its KVzip+ scores `[kv_heads, held]` and their positions `[held]` once the reconstruction
+    has run (before any eviction: every head holds the same positions, all of them but what slid out of a window)."""
 
     name: ClassVar[str] = "kvzap-calibration"
 
@@ -91,6 +92,7 @@ class _KVzipPlusTargets(KVzipPlus):
         super().__post_init__()
         self.hidden: list[torch.Tensor] = []
         self.scores: list[torch.Tensor] = []
+        self.positions: list[torch.Tensor] = []
 
     def observe(self, layer, query, key, scaling, phase) -> None:
         if self._probe is None:  # the prompt itself, not its reconstruction
@@ -101,19 +103,23 @@ class _KVzipPlusTargets(KVzipPlus):
     def after_prompt(self, session, prompt: torch.Tensor) -> None:
         super().after_prompt(session, prompt)
         self.scores = [layer.slot_stat(self.state_key)[0].float().cpu() for layer in session.cache.layers]
+        self.positions = [layer.live_positions()[0, 0].cpu() for layer in session.cache.layers]
 
 
 def targets(lm: LoadedModel, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A document's features `[layers, n, hidden]` and targets `[layers, n, kv_heads]`: log KVzip+ scores, a score
-    that underflowed to 0 counted as the smallest float32 (kvpress's log would give -inf)."""
+    """A document's features `[layers, n, hidden]` and targets `[layers, n, kv_heads]`: log KVzip+ scores. A position
+    a layer no longer holds (it slid out of a sliding layer's window) or whose score is 0 (no reconstruction query
+    could see it: a sliding layer's early positions) has no target: NaN, left out of the fit and of its scores."""
     from kvbench.session import Session
     from kvbench.settings import RunSettings
 
     recorder = _KVzipPlusTargets()
     # a budget below the prompt, or KVzip+ has nothing to evict and skips its reconstruction
     Session(lm, recorder, RunSettings(budget=len(ids) // 2), prompt_tokens=len(ids)).prefill(torch.tensor([ids]))
-    scores = torch.stack(recorder.scores).transpose(1, 2)
-    return torch.stack(recorder.hidden), scores.clamp_min(torch.finfo(torch.float32).tiny).log()
+    scores = torch.full((lm.num_layers, len(ids), lm.kv_heads), math.nan)
+    for layer, (held, positions) in enumerate(zip(recorder.scores, recorder.positions, strict=True)):
+        scores[layer, positions] = held.T.log()
+    return torch.stack(recorder.hidden), scores.masked_fill(scores == -math.inf, math.nan)
 
 
 def fit(lm: LoadedModel, documents: list[list[int]], settings: Settings, model_type: str,
@@ -175,44 +181,48 @@ def evaluate(surrogate: Surrogate, documents: list[tuple[torch.Tensor, torch.Ten
                               for layer in range(features.shape[0])]) for features, _ in documents]
     truth = torch.cat([scores for _, scores in documents], dim=1)  # [layers, positions, kv_heads]
     guess = torch.cat(predicted, dim=1)
-    residual = (truth - guess).pow(2).sum(dim=(1, 2))
-    spread = (truth - truth.mean(dim=(1, 2), keepdim=True)).pow(2).sum(dim=(1, 2))
+    known = torch.isfinite(truth)
+    mean = truth.nanmean(dim=(1, 2), keepdim=True)
+    residual = torch.where(known, truth - guess, 0.0).pow(2).sum(dim=(1, 2))
+    spread = torch.where(known, truth - mean, 0.0).pow(2).sum(dim=(1, 2))
     jaccards = []
     for (_, scores), prediction in zip(documents, predicted, strict=True):
-        count = max(1, int(AGREEMENT_BUDGET * scores.shape[1]))
-        kept = [torch.zeros_like(s, dtype=torch.bool).scatter_(1, s.topk(count, dim=1).indices, True)
-                for s in (scores, prediction)]
-        jaccards.append((kept[0] & kept[1]).sum(1).double() / (kept[0] | kept[1]).sum(1).double())
+        for layer in range(scores.shape[0]):
+            held = torch.isfinite(scores[layer]).all(dim=-1)
+            count = max(1, int(AGREEMENT_BUDGET * int(held.sum())))
+            kept = [torch.zeros_like(s, dtype=torch.bool).scatter_(1, s.topk(count, dim=1).indices, True)
+                    for s in (scores[layer][held].T, prediction[layer][held].T)]  # [kv_heads, held]
+            jaccards.append((kept[0] & kept[1]).sum(1).double() / (kept[0] | kept[1]).sum(1).double())
     return 1 - residual / spread, torch.cat(jaccards).mean().item()
 
 
 class _RidgeSums:
-    """Per layer, the sums a ridge regression with an intercept needs, added one document at a time in float64."""
+    """Per layer, the sums a ridge regression with an intercept needs over the positions with a target, added one
+    document at a time in float64."""
 
     def __init__(self, layers: int) -> None:
-        self.count = 0
-        self.x = self.y = self.xx = self.xy = torch.zeros((), dtype=torch.float64)
-        self.layers = layers
+        self.count = [0] * layers
+        self.sums: list[list[torch.Tensor]] = [[] for _ in range(layers)]  # x, y, x^T x, x^T y
 
     def add(self, features: torch.Tensor, scores: torch.Tensor) -> None:
-        x, y = features.double(), scores.double()  # [layers, n, hidden], [layers, n, kv_heads]
-        self.count += x.shape[1]
-        self.x = self.x + x.sum(1)
-        self.y = self.y + y.sum(1)
-        self.xx = self.xx + x.transpose(1, 2) @ x
-        self.xy = self.xy + x.transpose(1, 2) @ y
+        for layer, sums in enumerate(self.sums):  # [n, hidden], [n, kv_heads]
+            known = torch.isfinite(scores[layer]).all(dim=-1)
+            x, y = features[layer][known].double(), scores[layer][known].double()
+            added = [x.sum(0), y.sum(0), x.T @ x, x.T @ y]
+            self.sums[layer] = added if not sums else [a + b for a, b in zip(sums, added, strict=True)]
+            self.count[layer] += len(x)
 
     def solve(self) -> Surrogate:
         """Ridge on centred data (scikit-learn's): W = (Xc^T Xc + alpha I)^-1 Xc^T yc, intercept ybar - xbar W."""
-        x_mean, y_mean = self.x / self.count, self.y / self.count
-        xx = self.xx - self.count * x_mean[:, :, None] * x_mean[:, None, :]
-        xy = self.xy - self.count * x_mean[:, :, None] * y_mean[:, None, :]
-        weight = torch.linalg.solve(xx + RIDGE_ALPHA * torch.eye(xx.shape[-1], dtype=xx.dtype), xy)  # [L, h, k]
-        bias = y_mean - (x_mean[:, None, :] @ weight)[:, 0]
-        surrogate = Surrogate(weight.shape[1], weight.shape[2], self.layers, None)
-        for layer, module in enumerate(surrogate.layers):
-            module.weight.data = weight[layer].T.float().contiguous()
-            module.bias.data = bias[layer].float()
+        first = self.sums[0]
+        surrogate = Surrogate(first[0].shape[0], first[1].shape[0], len(self.sums), None)
+        for (x, y, xx, xy), count, module in zip(self.sums, self.count, surrogate.layers, strict=True):
+            x_mean, y_mean = x / count, y / count
+            centred_xx = xx - count * x_mean[:, None] * x_mean[None, :]
+            centred_xy = xy - count * x_mean[:, None] * y_mean[None, :]
+            weight = torch.linalg.solve(centred_xx + RIDGE_ALPHA * torch.eye(len(x), dtype=xx.dtype), centred_xy)
+            cast(nn.Linear, module).weight.data = weight.T.float().contiguous()
+            cast(nn.Linear, module).bias.data = (y_mean - x_mean @ weight).float()
         return surrogate.eval()
 
 
@@ -225,7 +235,7 @@ def _train_mlp(samples: list[tuple[torch.Tensor, torch.Tensor]], settings: Setti
     # each output starts at its targets' mean (log scores sit far below 0): a few hundred steps, as a CPU calibration
     # takes, then learn the spread instead of the offset
     for layer, module in enumerate(surrogate.layers):
-        cast(nn.Linear, cast(nn.Sequential, module)[2]).bias.data = scores[:, layer].float().mean(dim=0)
+        cast(nn.Linear, cast(nn.Sequential, module)[2]).bias.data = scores[:, layer].float().nanmean(dim=0)
     surrogate.to(device)
     optimiser = torch.optim.AdamW(surrogate.parameters(), lr=LEARNING_RATE)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimiser, T_max=settings.epochs)
@@ -235,7 +245,8 @@ def _train_mlp(samples: list[tuple[torch.Tensor, torch.Tensor]], settings: Setti
             for batch in torch.randperm(len(features), generator=order).split(BATCH):
                 x, y = features[batch].to(device).float(), scores[batch].to(device).float()
                 predicted = torch.stack([module(x[:, i]) for i, module in enumerate(surrogate.layers)], dim=1)
-                loss = nn.functional.mse_loss(predicted, y)
+                known = torch.isfinite(y)
+                loss = nn.functional.mse_loss(predicted[known], y[known])
                 optimiser.zero_grad()
                 loss.backward()
                 nn.utils.clip_grad_norm_(surrogate.parameters(), 1.0)

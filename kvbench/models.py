@@ -106,14 +106,18 @@ class ModelInternals:
     def __deepcopy__(self, memo: dict) -> ModelInternals:
         return self
 
-    def rotary(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(cos, sin)` `[B, n, head_dim]` in float32 for `positions` `[B, n]`, as the model's attention applies
-        them (`q * cos + rotate_half(q) * sin`, any attention scaling folded in)."""
+    def rotary(self, like: torch.Tensor, positions: torch.Tensor,
+               layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(cos, sin)` `[B, n, head_dim]` in float32 for `positions` `[B, n]`, as layer `layer_idx`'s attention
+        applies them (`q * cos + rotate_half(q) * sin`, any attention scaling folded in)."""
         rotary = getattr(getattr(self.model, "model", None), "rotary_emb", None)
         if rotary is None:
             raise KvbenchError(f"{type(self.model).__name__} has no shared rotary embedding (model.rotary_emb): "
                                f"this policy needs RoPE positions")
-        cos, sin = rotary(like.float(), positions)
+        if "layer_type" in inspect.signature(rotary.forward).parameters:  # one RoPE per layer type (Gemma 3)
+            cos, sin = rotary(like.float(), positions, self.model.config.layer_types[layer_idx])
+        else:
+            cos, sin = rotary(like.float(), positions)
         if cos.shape[-1] != like.shape[-1]:
             raise KvbenchError(f"{type(self.model).__name__} rotates {cos.shape[-1]} of {like.shape[-1]} "
                                f"head dimensions (partial RoPE): not supported by this policy")

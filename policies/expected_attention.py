@@ -74,7 +74,7 @@ class ExpectedAttention(Policy):
         if phase != "prefill" and not self.decode:
             return
         positions = _query_positions(layer, query.shape[2])
-        cos, sin = layer.owner.model.rotary(query, positions.clamp(min=0))
+        cos, sin = layer.owner.model.rotary(query, positions.clamp(min=0), layer.layer_idx)
         plain = query.float() * cos[:, None] - rotate_half(query.float()) * sin[:, None]  # R(p)^T q
         moments = layer.layer_stats.get(self.state_key)
         if moments is None:
@@ -138,7 +138,7 @@ class ExpectedAttention(Policy):
         batch, dim = like.shape[0], like.shape[-1]
         start = _next_positions(layer)
         positions = (start + torch.arange(self.n_future_positions, device=like.device)).expand(batch, -1)
-        cos, sin = layer.owner.model.rotary(like, positions)
+        cos, sin = layer.owner.model.rotary(like, positions, layer.layer_idx)
         half = dim // 2
         swap = torch.zeros(dim, dim, device=like.device)  # rotate_half as a matrix: x -> (-x2, x1)
         swap[:half, half:] = -torch.eye(half, device=like.device)

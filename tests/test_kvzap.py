@@ -22,7 +22,8 @@ from kvbench.tasks.corpus import load_corpus
 from tests.conftest import random_ids
 from tests.helpers import NEEDED_PARAMS, run_session
 
-PROMPT, BUDGET = random_ids(96, seed=31), 40
+# distinct tokens: a repeated one has the same first-layer hidden state, so the same prediction (an exact tie)
+PROMPT, BUDGET = torch.randperm(256, generator=torch.Generator().manual_seed(31))[:96].tolist(), 40
 SETTINGS = Settings(documents=8, tokens=96, samples=96, held_out=2, hidden_dim=32, epochs=30)
 
 
@@ -90,7 +91,7 @@ def test_a_broken_artifact_predicts_its_targets_worse(calibrated, held_out, mode
 
 def test_the_targets_are_kvzip_plus_scores_and_the_ridge_is_scikit_learns(sharp_llama, corpus):
     """The linear surrogate is Ridge(alpha=1) with an intercept, here by least squares on the augmented system
-    [X - mean; sqrt(alpha) I] W = [y - mean; 0], from every position of two documents' recorded targets."""
+    [X - mean; sqrt(alpha) I] W = [y - mean; 0], from every position of two documents with a recorded target."""
     settings = Settings(documents=2, tokens=96, samples=96)
     documents = corpus_documents(sharp_llama, str(corpus), settings)
     saved = kvzap.fit(sharp_llama, documents, settings, "linear", lambda done, total: None)
@@ -98,7 +99,10 @@ def test_the_targets_are_kvzip_plus_scores_and_the_ridge_is_scikit_learns(sharp_
     for layer in range(sharp_llama.num_layers):
         x = torch.cat([features[layer] for features, _ in data]).double()
         y = torch.cat([scores[layer] for _, scores in data]).double()
-        assert torch.isfinite(y).all() and y.shape == (2 * 96, sharp_llama.kv_heads)
+        # a score that underflowed to 0 has no target: on this sharpened random model, about a quarter
+        known = torch.isfinite(y).all(dim=-1)
+        assert y.shape == (2 * 96, sharp_llama.kv_heads) and known.double().mean() > 0.5
+        x, y = x[known], y[known]
         augmented = torch.cat([x - x.mean(0), torch.eye(x.shape[1], dtype=x.dtype) * kvzap.RIDGE_ALPHA ** 0.5])
         target = torch.cat([y - y.mean(0), torch.zeros(x.shape[1], y.shape[1], dtype=y.dtype)])
         weight = torch.linalg.lstsq(augmented, target).solution  # [hidden, kv_heads]
