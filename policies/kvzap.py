@@ -20,7 +20,7 @@ MODEL_TYPES = ("linear", "mlp")
 @register
 @dataclass
 class KVzap(PromptScorer):
-    """KVzap (Jegou et al. 2026; kvpress's KVzapPress): a small per-layer model predicts each token's log KVzip+ score
+    """KVzap (arXiv 2601.07891; kvpress's KVzapPress): a small per-layer model predicts each token's log KVzip+ score
     from the hidden state its attention reads, as the token is written, so no reconstruction pass is needed.
 
     At a budget each KV head keeps the entries with the highest prediction (KVzapPress alone). Under a threshold t

@@ -25,8 +25,8 @@ def check(
     context: int | None = typer.Option(None, "--context", "-c", min=16, help="Tokens of the long prompt "
                                        "(default 16384 on a GPU, 1024 on CPU); the short one has 256."),
     policies: str | None = typer.Option(None, "--policies", help="Comma-separated policies to check against their "
-                                        "references (default: snapkv,h2o,tova,knorm,streaming_llm,qfilter; "
-                                        "qfilter skipped until kvbench calibrate has run)."),
+                                        "references (default: snapkv,h2o,tova,knorm,streaming_llm,qfilter,kvzap; "
+                                        "qfilter and kvzap skipped until kvbench calibrate has run)."),
     attention: str = typer.Option("auto", "--attention", help="model.generate's attention implementation, the "
                                   "reference for full: sdpa, eager, flash_attention_2, ...; auto: sdpa, or eager "
                                   "where logits are soft-capped."),
