@@ -15,13 +15,14 @@ from kvbench.generation import Prompt, answer, generate
 from kvbench.joint import step_together
 from kvbench.measure import PeakMemory
 from kvbench.models import load_model
-from kvbench.policies import build_policy
+from kvbench.policies import POLICIES, build_policy
+from kvbench.policies.base import takes_budget
 from kvbench.results import RunFolder
 from kvbench.serving import Load, Need, Service, need_tokens, service_metrics
 from kvbench.session import RunSettings, Session
 from kvbench.summary import summarize
 from tests.conftest import random_ids
-from tests.helpers import assert_rejected_in_one_line
+from tests.helpers import assert_rejected_in_one_line, tiny_policy
 from tests.test_sweep import runner, sweep, sweep_until, write_config
 
 SETTINGS = {"full": None, "window": 16, "h2o": 16, "streaming_llm": 16, "snapkv": 40}
@@ -39,12 +40,12 @@ def _prefilled(lm, name: str, prompt: list[int]) -> Session:
     return session
 
 
-@pytest.mark.parametrize("model", ["tiny_llama", "tiny_gemma3"])
 @pytest.mark.parametrize("name", list(SETTINGS))
-def test_a_joint_step_is_each_requests_run_alone(request, model, name):
-    """Rows of different lengths join a running batch at different steps: each row's tokens, logits and cache
-    accounts are its run alone's (a sliding-window model too)."""
-    lm = request.getfixturevalue(model)
+def test_a_joint_step_is_each_requests_run_alone(tiny_gemma3, name):
+    """Rows of different lengths join a running batch at different steps and leave it: each row's tokens, logits
+    and cache accounts are its run alone's, on a model with sliding-window layers (every policy on a full-attention
+    model: below)."""
+    lm = tiny_gemma3
     prompts = [random_ids(n, seed=n) for n in (40, 23, 77)]
     alone = []
     for prompt in prompts:
@@ -67,6 +68,36 @@ def test_a_joint_step_is_each_requests_run_alone(request, model, name):
         assert tokens[row] == want_tokens
         torch.testing.assert_close(torch.stack(logits[row]), want_logits)
         assert sessions[row].cache.stats() == want_stats
+
+
+@pytest.mark.parametrize("name", POLICIES.names())
+def test_every_policy_steps_jointly_as_it_runs_alone(tiny_llama, name):
+    """Each registered policy (compressed storage, sparse reads, uneven heads, merging, thresholds of its own) in a
+    joint step of three requests: each one's tokens and cache accounts are its run alone's."""
+    params = {"rank": 8} if name == "lowrank" else {}
+    budget = 56 if takes_budget(tiny_policy(name, params)) else None
+    prompts = [random_ids(n, seed=n) for n in (70, 90, 110)]
+
+    def prefilled(prompt: list[int]) -> Session:
+        session = Session(tiny_llama, tiny_policy(name, params), RunSettings(budget=budget), prompt_tokens=len(prompt),
+                          adds=8)
+        session.prefill(prompt)
+        return session
+
+    alone = []
+    for prompt in prompts:
+        session = prefilled(prompt)
+        tokens = [int(session.logits.argmax())]
+        for _ in range(6):
+            tokens.append(int(session.step(tokens[-1]).argmax()))
+        alone.append((tokens, session.cache.stats()))
+    sessions = [prefilled(prompt) for prompt in prompts]
+    tokens = [[int(session.logits.argmax())] for session in sessions]
+    for _ in range(6):
+        out = step_together(sessions, [row[-1] for row in tokens])
+        for row, logits in zip(tokens, out, strict=True):
+            row.append(int(logits.argmax()))
+    assert [(row, session.cache.stats()) for row, session in zip(tokens, sessions, strict=True)] == alone
 
 
 def _prompts(lm, count: int, max_new_tokens: int = 6) -> list[Prompt]:
