@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from kvbench import kvzap
+from kvbench import check, kvzap
 from kvbench.budgets import Threshold
-from kvbench.calibrate import Settings, calibrate, corpus_documents
+from kvbench.calibrate import Settings, calibrate, corpus_documents, default_folder
 from kvbench.cli import app
 from kvbench.errors import KvbenchError
 from kvbench.policies import build_policy
@@ -170,3 +170,13 @@ def test_under_a_threshold_decoding_it_holds_the_window_and_what_reaches_the_thr
         reached = layer.slot_stat(session.policy.state_key).exp() >= threshold
         assert (reached | recent)[real].all()  # the others reach the threshold
         assert (real.sum(dim=-1) < layer.seen).all()  # and some went
+
+
+def test_kvbench_check_holds_kvzap_to_its_reference_once_calibrated(sharp_llama, calibrated, monkeypatch, tmp_path):
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
+    prompt = check.prompt_tokens(sharp_llama, 100)[:96]
+    skipped = check.check_policy(sharp_llama, "kvzap", prompt, [], "short")
+    assert skipped.status == "skip" and "kvbench calibrate -m random:tiny-llama --method kvzap-mlp" in skipped.detail
+    kvzap.save(kvzap.load(calibrated["mlp"]), default_folder(sharp_llama, "kvzap-mlp"), {})
+    checked = check.check_policy(sharp_llama, "kvzap", prompt, [], "short")
+    assert checked.status == "pass", checked.detail
