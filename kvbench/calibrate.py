@@ -27,7 +27,7 @@ from kvbench.errors import KvbenchError
 from kvbench.models import LoadedModel, cache_dir, model_digest, per_model
 from kvbench.policies.base import Policy, Schedule
 
-FILTERS_FILE, CONFIG_FILE, PROVENANCE_FILE = "model.safetensors", "config.json", "calibration.json"
+WEIGHTS_FILE, CONFIG_FILE, PROVENANCE_FILE = "model.safetensors", "config.json", "calibration.json"
 
 
 @dataclass(frozen=True)
@@ -187,19 +187,30 @@ def qfilters(lm: LoadedModel, documents: list[list[int]], settings: Settings,
     return torch.stack(filters)
 
 
+def write_artifact(folder: Path, tensors: dict[str, torch.Tensor], config: dict, provenance: dict) -> None:
+    """A folder as kvpress's `save_pretrained` writes one (the tensors in `model.safetensors`, float32, and
+    `config.json`), with kvbench's provenance beside them in `calibration.json`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({name: tensor.detach().float().cpu().contiguous() for name, tensor in tensors.items()},
+              str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    (folder / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / WEIGHTS_FILE))
+
+
 def save_qfilters(filters: torch.Tensor, folder: Path, provenance: dict) -> None:
     """kvpress's format (`QFilters.save_pretrained`'s files), with kvbench's provenance beside it."""
-    folder.mkdir(parents=True, exist_ok=True)
     layers, kv_heads, head_dim = filters.shape
-    save_file({"q_filters": filters.float().contiguous()}, str(folder / FILTERS_FILE))
-    (folder / CONFIG_FILE).write_text(json.dumps({"kv_head_dim": head_dim, "num_kv_heads": kv_heads,
-                                                  "num_layers": layers}, indent=2) + "\n")
-    (folder / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+    write_artifact(folder, {"q_filters": filters},
+                   {"kv_head_dim": head_dim, "num_kv_heads": kv_heads, "num_layers": layers}, provenance)
 
 
 def load_qfilters(folder: Path) -> torch.Tensor:
     """`[layers, kv_heads, head_dim]` from a folder in kvpress's format (kvbench's or one of kvpress's downloads)."""
-    return load_file(str(folder / FILTERS_FILE))["q_filters"]
+    return read_weights(folder)["q_filters"]
 
 
 @dataclass
@@ -254,17 +265,13 @@ def query_statistics(lm: LoadedModel, documents: list[list[int]],
 def save_query_statistics(stats: dict[str, torch.Tensor], folder: Path, provenance: dict) -> None:
     """kvpress's `ExpectedAttentionStats.save_pretrained` files (its `from_pretrained(folder)` and
     `ExpectedAttentionStatsPress(stats_folder=...)` load them), with kvbench's provenance beside them."""
-    folder.mkdir(parents=True, exist_ok=True)
     layers, heads, head_dim = stats["query_mean"].shape
-    save_file({name: stats[name].float().contiguous() for name in STATS_FIELDS}, str(folder / FILTERS_FILE),
-              metadata={"format": "pt"})
-    (folder / CONFIG_FILE).write_text(json.dumps({
+    write_artifact(folder, {name: stats[name] for name in STATS_FIELDS}, {
         "num_layers": layers, "num_heads": heads, "head_dim": head_dim, "dataset_name": provenance["corpus"],
         "model_name": provenance["model"], "num_samples": provenance["documents"],
-        "sample_seq_len": provenance["tokens"], "n_sink": STATS_SINKS}, indent=2) + "\n")
-    (folder / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+        "sample_seq_len": provenance["tokens"], "n_sink": STATS_SINKS}, provenance)
 
 
 def load_query_statistics(folder: Path) -> dict[str, torch.Tensor]:
     """`query_mean` `[layers, heads, D]` and `query_cov` `[layers, heads, D, D]` from kvpress's format."""
-    return load_file(str(folder / FILTERS_FILE))
+    return read_weights(folder)

@@ -25,17 +25,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
+from kvbench.calibrate import CONFIG_FILE, Settings, read_weights, write_artifact
 from kvbench.errors import KvbenchError
 from kvbench.policies.kvzip import KVzipPlus
 
 if TYPE_CHECKING:
-    from kvbench.calibrate import Settings
     from kvbench.models import LoadedModel
 
-WEIGHTS_FILE, CONFIG_FILE, PROVENANCE_FILE = "model.safetensors", "config.json", "calibration.json"
 RIDGE_ALPHA = 1.0  # scikit-learn Ridge's default, which kvpress's train_linear uses
 LEARNING_RATE, BATCH = 5e-3, 512  # kvpress's train.py defaults
 AGREEMENT_BUDGET = 0.5  # the share of each held-out document whose kept sets are compared
@@ -62,21 +60,17 @@ def predict(surrogate: Surrogate, layer_idx: int, hidden: torch.Tensor) -> torch
 
 def save(surrogate: Surrogate, folder: Path, provenance: dict) -> None:
     """kvpress's `KVzapModel.save_pretrained` files, with kvbench's provenance (and the held-out scores) beside."""
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {name: tensor.detach().float().cpu().contiguous() for name, tensor in surrogate.state_dict().items()}
-    save_file(state, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
-    (folder / CONFIG_FILE).write_text(json.dumps({
+    write_artifact(folder, surrogate.state_dict(), {
         "architectures": ["KVzapModel"], "model_type": "kvzap", "input_dim": surrogate.input_dim,
         "output_dim": surrogate.output_dim, "hidden_dim": surrogate.hidden_dim, "n_modules": len(surrogate.layers),
-        "dtype": "float32"}, indent=2) + "\n")
-    (folder / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+        "dtype": "float32"}, provenance)
 
 
 def load(folder: Path) -> Surrogate:
     """A surrogate from a folder in kvpress's format (kvbench's, or one of the `nvidia/KVzap-*` downloads)."""
     config = json.loads((folder / CONFIG_FILE).read_text())
     surrogate = Surrogate(config["input_dim"], config["output_dim"], config["n_modules"], config["hidden_dim"])
-    surrogate.load_state_dict({name: tensor.float() for name, tensor in load_file(str(folder / WEIGHTS_FILE)).items()})
+    surrogate.load_state_dict({name: tensor.float() for name, tensor in read_weights(folder).items()})
     return surrogate.eval()
 
 
