@@ -27,6 +27,14 @@ PROMPT, BUDGET = torch.randperm(256, generator=torch.Generator().manual_seed(31)
 SETTINGS = Settings(documents=8, tokens=96, samples=96, held_out=2, hidden_dim=32, epochs=30)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def own_cache(tmp_path_factory):
+    """Calibrations computed here, never read back from an earlier run's per-model cache (older code's)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVBENCH_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """Prose of the embedded corpus, one byte a token on the random models: 12 documents of 96 tokens."""
