@@ -12,8 +12,14 @@ from rich.markup import escape
 from kvbench.calibrate import METHODS, SIZES, dtype_name, require_method
 from kvbench.cli.app import DTYPE, app, progress_bar, stdout, user_errors
 
-SMALL, PAPER = SIZES["qfilter"]
 KVZAP_SMALL, KVZAP_PAPER = SIZES["kvzap-mlp"]
+
+
+def sizes(field: str) -> str:
+    """Each method's default `field` and its paper's, for --help (kvzap-linear and kvzap-mlp share theirs)."""
+    methods = [method for method in SIZES if method != "kvzap-linear"]
+    return (", ".join(f"{method.removesuffix('-mlp')} {getattr(SIZES[method][0], field)}" for method in methods)
+            + "; --paper: " + ", ".join(str(getattr(SIZES[method][1], field)) for method in methods))
 
 
 @app.command()
@@ -29,13 +35,11 @@ def calibrate(
                                        "format); default: the model's folder in $KVBENCH_CACHE/<method>/, where the "
                                        "policy looks."),
     documents: int | None = typer.Option(None, "--documents", min=1, help=f"Corpus windows to run (default "
-                                         f"{SMALL.documents}, kvzap {KVZAP_SMALL.documents}; --paper: "
-                                         f"{PAPER.documents}, kvzap {KVZAP_PAPER.documents})."),
-    tokens: int | None = typer.Option(None, "--tokens", min=1, help=f"Tokens per window (default {SMALL.tokens}; "
-                                      f"--paper: {PAPER.tokens}, kvzap {KVZAP_PAPER.tokens})."),
+                                         f"{sizes('documents')})."),
+    tokens: int | None = typer.Option(None, "--tokens", min=1, help=f"Tokens per window ({sizes('tokens')})."),
     samples: int | None = typer.Option(None, "--samples", min=1, help=f"qfilter: query vectors per head the SVD "
-                                       f"sees ({SMALL.samples}); kvzap: positions per document it trains on "
-                                       f"({KVZAP_SMALL.samples}; --paper {KVZAP_PAPER.samples})."),
+                                       f"sees ({SIZES['qfilter'][0].samples}); kvzap: positions per document it "
+                                       f"trains on ({KVZAP_SMALL.samples}; --paper {KVZAP_PAPER.samples})."),
     held_out: int | None = typer.Option(None, "--held-out", min=0, help=f"kvzap: documents kept out of training, "
                                         f"scored (R^2, kept-set agreement) (default {KVZAP_SMALL.held_out}; --paper "
                                         f"{KVZAP_PAPER.held_out})."),
