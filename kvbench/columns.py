@@ -160,7 +160,7 @@ COLUMNS = [
     Column("e2e_s", "s", "serving"),
     Column("queue_s", "s", "serving"),
     Column("request", "index", "serving"),
-    Column("attempt", "time", "sweep"),  # a load cell's run that wrote the record (a rerun after a kill is another)
+    Column("attempt", "id", "sweep"),  # a load cell's run that wrote the record (a rerun after a kill is another)
     Column("generated_tokens", "tokens", "measurements"),  # the summary pairs it into length_ratio
     Column("prompt_tokens", "tokens", "measurements"),
     Column("kv_bytes_physical", "bytes", "cache"),

@@ -1,17 +1,18 @@
 """A service under load: requests arrive, wait for room in a pool of KV memory, prefill, join the running batch and
 leave it at their end, on the engine's own sessions.
 
-The scheduler is prefill-then-join, first come first served, as vLLM's default scheduler without chunked prefill:
-between two decode steps it admits the request at the head of the queue when the pool has room for its cache (one
-prefill at a time), runs its prefill alone (a session of one row, so its policy compresses the prompt as it does alone),
-and the request then joins the joint decode step of every running request (kvbench/joint.py). Room is judged before the
-prefill from the request's lengths (`cache_need`: the prompt's full cache while a policy compresses it, then what the
-policy keeps plus the output), beside what the running requests hold or will hold, and checked after every step against
-the bytes the running caches really hold: a pool outgrown by decoding preempts the newest request, which goes back to
-the front of the queue and is recomputed from its prompt (its answer is its run alone's again; vLLM re-prefills the
-prompt with the output so far, which a prefill-time policy would then compress as prompt). A request waits at most
-`timeout_s` in the queue, the queue holds at most `max_queue`, and nothing runs past `horizon_s`: each request ends
-finished or rejected, with the reason.
+The scheduler is first come, first served, one prefill at a time: it admits the request at the head of the queue when
+the pool has room for its cache and runs its prefill in a session of its own (one row, so its policy compresses the
+prompt as it does alone); then the request joins the joint decode step of every running request (kvbench/joint.py). A
+`full` prefill runs whole between two decode steps (prefill-then-join, as vLLM's scheduler without chunked prefill); a
+`chunked` one feeds one chunk between two decode steps (as vLLM's and Sarathi's chunked prefill), so a long prompt
+stalls the running requests a chunk at a time. Room is judged before the prefill from the request's lengths
+(`cache_need`: the prompt's full cache while a policy compresses it, then what the policy keeps plus the output), beside
+what the admitted requests hold or will hold, and checked after every step against the bytes the caches really hold: a
+pool outgrown by decoding preempts the newest running request, which goes back to the front of the queue and is
+recomputed from its prompt (its answer is its run alone's again; vLLM re-prefills the prompt with the output so far,
+which a prefill-time policy would then compress as prompt). A request waits at most `timeout_s` in the queue, the queue
+holds at most `max_queue`, and nothing runs past `horizon_s`: each request ends finished or rejected, with the reason.
 
 Time is the wall clock, except that an idle service skips to the next arrival (nothing runs meanwhile, so no
 measurement changes).
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -81,6 +82,7 @@ class Request:
     preemptions: int = 0
     rejected: str | None = None  # why it was turned away: one of REJECTED
     session: Session | None = None  # while it runs
+    prefill: Iterator[None] | None = None  # its prefill's chunks still to run
     measured: dict[str, Any] = field(default_factory=dict)  # its session's measurements, taken as it finished
 
     @property
@@ -259,6 +261,7 @@ class Service:
         self.needs = [cache_need(lm, policy, settings, p) for p in prompts]
         self.queue: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the newest is preempted first
+        self.prefilling: Request | None = None  # admitted, its prompt being fed a chunk at a time
         self.unarrived = deque(self.requests)
         self.timeline: list[dict[str, Any]] = []
         self.preemptions = 0
@@ -273,10 +276,11 @@ class Service:
                 break
             self._arrive(now)
             self._time_out(now)
-            admitted = self._admit()
+            self._admit()
+            self._prefill_chunk()
             if self.running:
                 self._step()
-            elif not admitted and not self.queue:
+            elif self.prefilling is None and not self.queue:
                 clock.skip_to(self._next_arrival())
             ended = sum(r.ended for r in self.requests)
             if self.on_step and ended != told:
@@ -318,59 +322,68 @@ class Service:
             self.unarrived = deque(sorted(self.unarrived, key=lambda r: r.arrival_s))
 
     def _cut_at_horizon(self) -> None:
-        for request in [*self.running, *self.queue, *self.unarrived]:
-            request.session = None
+        cut = [*self.running, *([self.prefilling] if self.prefilling else []), *self.queue, *self.unarrived]
+        for request in cut:
+            request.session, request.prefill = None, None
             request.rejected = "not ended by the horizon"
-        self.running, self.queue, self.unarrived = [], deque(), deque()
+        self.running, self.prefilling, self.queue, self.unarrived = [], None, deque(), deque()
 
     # --- admission and prefill ---------------------------------------------------------------------------
+    def _admitted(self) -> list[Request]:
+        return [*self.running, *([self.prefilling] if self.prefilling else [])]
+
     def held_bytes(self) -> int:
-        """Bytes the running requests' caches hold now."""
-        return sum(r.session.cache.physical_bytes() for r in self.running if r.session is not None)
+        """Bytes the admitted requests' caches hold now."""
+        return sum(r.session.cache.physical_bytes() for r in self._admitted() if r.session is not None)
 
     def reserved_bytes(self) -> int:
-        """Bytes the running requests hold or will hold: each one's own now, or what its cache grows to once its
-        prompt is compressed, whichever is more."""
-        return sum(max(r.session.cache.physical_bytes(), self.needs[r.index].held) for r in self.running
-                   if r.session is not None)
+        """Bytes the admitted requests hold or will hold: each one's own now, or what its cache holds once its
+        prompt is compressed, whichever is more (a request still prefilling: its peak)."""
+        return sum(max(r.session.cache.physical_bytes(), self.needs[r.index].held if r.prefill is None else
+                       max(self.needs[r.index])) for r in self._admitted() if r.session is not None)
 
-    def _admit(self) -> bool:
-        """Prefill the head of the queue if the pool has room for it; one that could never fit is rejected."""
-        if not self.queue:
-            return False
+    def _admit(self) -> None:
+        """Start the head of the queue's prefill if none is running and the pool has room for it; one that could
+        never fit is rejected."""
+        if not self.queue or self.prefilling is not None:
+            return
         request, pool = self.queue[0], self.load.pool_bytes
-        need = max(self.needs[request.index])
-        if pool is not None and self.reserved_bytes() + need > pool:
+        if pool is not None and self.reserved_bytes() + max(self.needs[request.index]) > pool:
             if not self.running:
                 self.queue.popleft()
                 self._reject(request, "larger than the pool")
-            return False
+            return
         self.queue.popleft()
         if request.admitted_s is None:
             request.admitted_s = self.clock.now()
-        request.session = self._prefill(request.prompt)
-        first = int(request.session.logits.argmax(-1)[0])  # type: ignore[union-attr]
-        request.tokens = [first]
+        prompt, agnostic = request.prompt, self.settings.question == "agnostic"
+        request.session = Session(self.lm, self.fresh_policy(), self.settings,
+                                  prompt_tokens=len(prompt.context) + len(prompt.question),
+                                  arrival=len(prompt.question) if agnostic else 1,
+                                  adds=prompt.max_new_tokens + (len(prompt.question) if agnostic else 0))
+        request.session.memory = self.memory
+        request.prefill = request.session.prefill_chunks(prompt.context if agnostic else
+                                                         prompt.context + prompt.question)
+        self.prefilling = request
+
+    def _prefill_chunk(self) -> None:
+        """The prefilling request's next chunk (its whole prompt in `full` mode), fed as `generate` feeds it (the
+        question after compression with `question: agnostic`); after its last one it joins the running batch."""
+        request = self.prefilling
+        if request is None:
+            return
+        assert request.session is not None and request.prefill is not None
+        if next(request.prefill, "done") is None:
+            return  # a chunk of a chunked prefill: more to come
+        session, question = request.session, request.prompt.question
+        if self.settings.question == "agnostic" and question:
+            session.append(question)
+        assert session.logits is not None
+        request.tokens, request.prefill, self.prefilling = [int(session.logits.argmax(-1)[0])], None, None
         if request.first_token_s is None:
             request.first_token_s = self.clock.now()
         self.running.append(request)
         self._finish_ended()
-        return True
-
-    def _prefill(self, prompt: Prompt) -> Session:
-        """The request's own session, its prompt fed as `generate` feeds it (the question after compression with
-        `question: agnostic`)."""
-        agnostic = self.settings.question == "agnostic"
-        session = Session(self.lm, self.fresh_policy(), self.settings,
-                          prompt_tokens=len(prompt.context) + len(prompt.question),
-                          arrival=len(prompt.question) if agnostic else 1,
-                          adds=prompt.max_new_tokens + (len(prompt.question) if agnostic else 0))
-        session.memory = self.memory
-        with torch.inference_mode():
-            session.prefill(prompt.context if agnostic else prompt.context + prompt.question)
-            if agnostic and prompt.question:
-                session.append(prompt.question)
-        return session
 
     # --- decoding -----------------------------------------------------------------------------------------
     def _step(self) -> None:
@@ -384,6 +397,7 @@ class Service:
         self.timeline.append({
             "t_s": round(self.clock.now(), 6),
             "running": len(self.running),
+            "prefilling": int(self.prefilling is not None),  # a chunked prefill paused for this step
             "queued": len(self.queue),
             "pool_bytes": held,
             "evictions": sum(s.cache.evictions for s in sessions) - evicted,

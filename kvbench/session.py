@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
@@ -193,6 +193,14 @@ class Session:
         """Feed a prompt (or a new user turn) and compress it as a prompt: once after it (`full`), or after
         every `prefill_chunk` tokens (`chunked`). With `shared` (a `full` prefill of exactly these tokens into
         an empty session), start from a copy of its cache instead of running the forward."""
+        for _ in self.prefill_chunks(ids, shared):
+            pass
+
+    @torch.inference_mode()
+    def prefill_chunks(self, ids: list[int] | torch.Tensor, shared: SharedPrefill | None = None) -> Iterator[None]:
+        """`prefill`, pausing after each chunk but the last of a `chunked` prefill (a `full` one never pauses), so
+        that a service decodes other requests between the chunks (kvbench/serving.py); the prompt is compressed as
+        `prefill` compresses it, and only the chunks' own time counts as prefill time."""
         ids = self._inputs(ids)
         self._enter(Phase.PREFILL)
         clock = Stopwatch(self.lm.devices)
@@ -208,6 +216,10 @@ class Session:
                 if start + chunk >= ids.shape[1]:
                     self.policy.after_prompt(self, ids)
                 self._compress()
+                if start + chunk < ids.shape[1]:
+                    self.prefill_s += clock.lap()
+                    yield
+                    clock = Stopwatch(self.lm.devices)
         self.cache.store_prompt()
         self._enter(Phase.DECODE)
         self.prefill_s += clock.lap() + shared_s

@@ -13,6 +13,7 @@ import functools
 import gc
 import signal
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -214,7 +215,7 @@ def _run_load(lm: LoadedModel, task: Task, cell: Cell, samples: list[Sample], ou
     """A load cell, whole: its records, then its status with what the service measured, both marked with this
     attempt. A cell cut short runs again whole (its service's times depend on every request), and only the attempt
     its status names counts (`RunFolder.records`)."""
-    started, attempt = time.perf_counter(), now()
+    started, attempt = time.perf_counter(), uuid.uuid4().hex[:12]
     try:
         records, measured = run_load(lm, task, cell, samples, lambda ended, offered: outcomes.running(
             f"{cell.label} {ended}/{offered} requests"))

@@ -132,6 +132,19 @@ def test_a_service_answers_every_request_as_it_runs_alone(tiny_llama):
         assert request.measured["kv_bytes_peak"] > 0
 
 
+def test_a_chunked_prefill_interleaves_with_decode_steps_and_answers_as_alone(tiny_llama):
+    prompts = [Prompt(random_ids(n, seed=n), [], 8) for n in (200, 180, 220, 160)]
+    settings = RunSettings(budget=48, prefill="chunked", prefill_chunk=32)
+    with PeakMemory(tiny_llama.devices) as memory:
+        served = Service(tiny_llama, build_policy("snapkv", {"window": 8}), settings, prompts,
+                         Load(requests=4, rate=1000.0), lambda: build_policy("snapkv", {"window": 8}), memory).run()
+    assert any(step["prefilling"] and step["running"] for step in served.timeline)  # decode between the chunks
+    for request in served.requests:
+        alone = generate(tiny_llama, build_policy("snapkv", {"window": 8}), request.prompt.context, [], settings,
+                         8).tokens
+        assert _answer(tiny_llama, request) == alone
+
+
 def test_decoding_past_the_pool_preempts_the_newest_and_recomputes_it(tiny_llama, monkeypatch):
     """Admission that undercounts (here: forced to) lets decoding outgrow the pool: the newest request goes back to
     the queue, is recomputed, and still answers as alone."""
