@@ -2,10 +2,13 @@
 SnapKV at a quarter of the prompt, in a pool that holds about two full-cache requests, on the embedded model.
 
     python benchmarks/load.py [--model smollm2-135m] [--context 1024] [--tokens 64] [--requests 12] [--rate 0.4]
+                              [--chunk 256]
 
-Reports both services' goodput at the SLO, throughput, p99 TTFT and concurrency, the goodput ratio measured in this
-one run, and whether every finished request's answer equals its unbatched run (`generate`). Then the same setting's
-estimate for an 8B model (Llama-3.1-8B, bfloat16) on an 80 GB GPU: how many requests each cache admits at once.
+`--chunk` feeds prompts in chunks of that many tokens between decode steps (`prefill: chunked`; SnapKV then
+compresses after every chunk). Reports both services' goodput at the SLO, throughput, p99 TTFT and concurrency, the
+goodput ratio measured in this one run, and whether every finished request's answer equals its unbatched run
+(`generate`). Then the same setting's estimate for an 8B model (Llama-3.1-8B, bfloat16) on an 80 GB GPU: how many
+requests each cache admits at once.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=0.4)
     parser.add_argument("--ttft", type=float, default=10.0, help="SLO: seconds to the first token")
     parser.add_argument("--tpot", type=float, default=0.5, help="SLO: seconds per output token")
+    parser.add_argument("--chunk", type=int, default=0, help="chunked prefill of this many tokens (0: full)")
     args = parser.parse_args()
 
     lm = load_model(args.model)
@@ -44,7 +48,8 @@ def main() -> None:
     load = Load(requests=args.requests, rate=args.rate, pool_bytes=pool, slo_ttft_s=args.ttft, slo_tpot_s=args.tpot)
     results = {}
     for name, budget in (("full", None), ("snapkv", 0.25)):
-        settings = RunSettings(budget=budget)
+        settings = RunSettings(budget=budget, prefill="chunked" if args.chunk else "full",
+                               prefill_chunk=args.chunk or 512)
         with PeakMemory(lm.devices) as memory:
             served = Service(lm, build_policy(name, {}), settings, prompts, load, lambda n=name: build_policy(n, {}),
                              memory).run()
@@ -58,7 +63,8 @@ def main() -> None:
               f"running {metrics['concurrency_mean']:.1f} (peak {metrics['concurrency_peak']})  "
               f"rejected {metrics['rejected']}  preempted {metrics['preemptions']}  answers as alone: {same}")
     full, snap = results["full"]["goodput"], results["snapkv"]["goodput"]
-    print(f"pool {pool / 2**20:.1f} MiB ({2 * (longest + args.tokens)} tokens), rate {args.rate} req/s, "
+    print(f"pool {pool / 2**20:.1f} MiB ({2 * (longest + args.tokens)} tokens), rate {args.rate} req/s, prefill "
+          f"{f'in chunks of {args.chunk}' if args.chunk else 'whole'}, "
           f"SLO TTFT <= {args.ttft} s, TPOT <= {args.tpot} s: snapkv/full goodput = "
           f"{snap / full if full else float('inf'):.2f}x")
     _eight_b(args.context, args.tokens)
