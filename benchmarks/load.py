@@ -51,8 +51,7 @@ def main() -> None:
         settings = RunSettings(budget=budget, prefill="chunked" if args.chunk else "full",
                                prefill_chunk=args.chunk or 512)
         with PeakMemory(lm.devices) as memory:
-            served = Service(lm, build_policy(name, {}), settings, prompts, load, lambda n=name: build_policy(n, {}),
-                             memory).run()
+            served = Service(lm, build_policy(name, {}), settings, prompts, load, memory).run()
         metrics = service_metrics(served, load)
         same = all(answer(lm, r.tokens, lm.eos_token_ids, ())[1] == generate(
             lm, build_policy(name, {}), r.prompt.context, r.prompt.question, settings, args.tokens).tokens

@@ -88,8 +88,7 @@ def step_together(sessions: list[Session], tokens: list[int]) -> torch.Tensor:
     for session in sessions:
         session.begin_step()
     clock = Stopwatch(lm.devices)
-    longest = max(session.cache.layers[0].length for session in sessions)
-    logits = forward(lm, joint, ids, positions, longest)[:, -1]
+    logits = forward(lm, joint, ids, positions, joint.get_seq_length())[:, -1]
     for row, session in enumerate(sessions):
         session.end_step(logits[row : row + 1])
     seconds = clock.lap()

@@ -8,7 +8,6 @@ cell's."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -58,8 +57,7 @@ def run_load(lm: LoadedModel, task: Task, cell: Cell, samples: list[Sample],
     prompts = [Prompt(context, question, limit, sample.stop)
                for (context, question), sample, limit in zip(encoded, drawn, limits, strict=True)]
     with PeakMemory(lm.devices) as memory:
-        served = Service(lm, policy, settings, prompts, load, lambda: dataclasses.replace(policy), memory,
-                         on_step).run()
+        served = Service(lm, policy, settings, prompts, load, memory, on_step).run()
     records = []
     for request, sample in zip(served.requests, drawn, strict=True):
         if request.finished_s is None:

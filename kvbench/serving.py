@@ -20,6 +20,7 @@ measurement changes).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -240,15 +241,15 @@ def _bytes(lm: LoadedModel, tokens: int) -> int:
 
 
 class Service:
-    """`prompts` (in arrival order for an open loop) served under `load`, each request with a `fresh_policy()`
-    of `policy`'s at `settings`. Every session's memory peaks are the service's (`memory`, entered by the caller);
-    `on_step` sees the progress (requests ended, offered)."""
+    """`prompts` (in arrival order for an open loop) served under `load`, each request with a fresh copy of `policy`
+    (its own state, as each sample of a sweep has) at `settings`. Every session's memory peaks are the service's
+    (`memory`, entered by the caller); `on_step` sees the progress (requests ended, offered)."""
 
     def __init__(self, lm: LoadedModel, policy: Policy, settings: RunSettings, prompts: list[Prompt], load: Load,
-                 fresh_policy: Callable[[], Policy], memory: PeakMemory,
+                 memory: PeakMemory,
                  on_step: Callable[[int, int], None] | None = None) -> None:
         self.lm, self.settings, self.load, self.memory = lm, settings, load, memory
-        self.fresh_policy, self.on_step = fresh_policy, on_step
+        self.policy, self.on_step = policy, on_step
         self.eos = lm.eos_token_ids
         if load.users is None:
             assert load.rate is not None or load.arrivals is not None, "open-loop load needs a rate or a trace"
@@ -357,7 +358,7 @@ class Service:
         if request.admitted_s is None:
             request.admitted_s = self.clock.now()
         prompt, agnostic = request.prompt, self.settings.question == "agnostic"
-        request.session = Session(self.lm, self.fresh_policy(), self.settings,
+        request.session = Session(self.lm, dataclasses.replace(self.policy), self.settings,
                                   prompt_tokens=len(prompt.context) + len(prompt.question),
                                   arrival=len(prompt.question) if agnostic else 1,
                                   adds=prompt.max_new_tokens + (len(prompt.question) if agnostic else 0))

@@ -107,8 +107,7 @@ def _prompts(lm, count: int, max_new_tokens: int = 6) -> list[Prompt]:
 def _serve(lm, name: str, prompts: list[Prompt], load: Load, budget=None):
     settings = RunSettings(budget=budget)
     with PeakMemory(lm.devices) as memory:
-        return Service(lm, build_policy(name, {}), settings, prompts, load, lambda: build_policy(name, {}),
-                       memory).run()
+        return Service(lm, build_policy(name, {}), settings, prompts, load, memory).run()
 
 
 def _alone(lm, name: str, prompt: Prompt, budget=None) -> list[int]:
@@ -137,7 +136,7 @@ def test_a_chunked_prefill_interleaves_with_decode_steps_and_answers_as_alone(ti
     settings = RunSettings(budget=48, prefill="chunked", prefill_chunk=32)
     with PeakMemory(tiny_llama.devices) as memory:
         served = Service(tiny_llama, build_policy("snapkv", {"window": 8}), settings, prompts,
-                         Load(requests=4, rate=1000.0), lambda: build_policy("snapkv", {"window": 8}), memory).run()
+                         Load(requests=4, rate=1000.0), memory).run()
     assert any(step["prefilling"] and step["running"] for step in served.timeline)  # decode between the chunks
     for request in served.requests:
         alone = generate(tiny_llama, build_policy("snapkv", {"window": 8}), request.prompt.context, [], settings,
