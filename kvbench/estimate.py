@@ -45,7 +45,8 @@ SHAPES: dict[str, Shape] = {
     "llama-3.1-8b": Shape(32, 8, 128, 8_030_261_248, 32),
     "llama-3-70b": Shape(80, 8, 128, 70_553_706_496, 64),
     "llama-3.1-70b": Shape(80, 8, 128, 70_553_706_496, 64),
-    "mistral-7b": Shape(32, 8, 128, 7_241_732_096, 32),
+    "mistral-7b": Shape(32, 8, 128, 7_241_732_096, 32),  # v0.1 and v0.2: a vocabulary of 32000
+    "mistral-7b-v0.3": Shape(32, 8, 128, 7_248_023_552, 32),  # a vocabulary of 32768; 32k positions, no sliding window
     "qwen2.5-7b": Shape(28, 4, 128, 7_615_616_512, 28),
     "smollm2-135m": Shape(30, 3, 64, 134_515_008, 9),
     "smollm2-1.7b": Shape(24, 32, 64, 1_711_376_384, 32),
@@ -55,13 +56,17 @@ SHAPES: dict[str, Shape] = {
 
 # what a hub id's name adds to its base model's: Llama-3.1-8B-Instruct is llama-3.1-8b
 _VARIANT = re.compile(r"(-(instruct|chat|hf|it|base|v\d+(\.\d+)*))+$")
+_VERSION = re.compile(r"-v\d+(\.\d+)*")
 
 
 def builtin_shape(model: str) -> Shape | None:
-    """The built-in shape a name or hub id names (`meta-llama/Llama-3.1-8B-Instruct` -> `llama-3.1-8b`), without the
-    network; None when it names none."""
+    """The built-in shape a name or hub id names, without the network: its base model's and version's where both
+    have one (`mistralai/Mistral-7B-Instruct-v0.3` -> `mistral-7b-v0.3`), else its base model's
+    (`meta-llama/Llama-3.1-8B-Instruct` -> `llama-3.1-8b`); None when it names none."""
     name = model.rsplit("/", 1)[-1].lower()
-    return SHAPES.get(name) or SHAPES.get(_VARIANT.sub("", name))
+    base = _VARIANT.sub("", name)
+    version = "".join(match.group() for match in _VERSION.finditer(name[len(base):]))
+    return SHAPES.get(name) or SHAPES.get(base + version) or SHAPES.get(base)
 
 
 def offline_shape(model: str) -> Shape | None:

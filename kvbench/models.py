@@ -89,6 +89,12 @@ RANDOM_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                                  num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                                  max_position_embeddings=32768)),
+    # Mistral-7B-Instruct-v0.3's config.json: no sliding window (v0.1's was 4096), RoPE base 1e6, 32k positions
+    "mistral-7b-v0.3": ("mistral", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                        vocab_size=32768, max_position_embeddings=32768, rms_norm_eps=1e-5,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                                        sliding_window=None)),
 }
 # the layer types of transformers' configs (`config.layer_types`) kvbench drives
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")

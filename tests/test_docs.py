@@ -293,7 +293,9 @@ def test_the_docs_state_cell_counts_of_configs():
     """The check below has something to check: the counts the docs are known to state."""
     claimed = {(where.split(":")[0], name) for where, name, _ in config_cell_claims()}
     for expected in [("zoo.yaml", "zoo"), ("README.md", "llama8b-quick"), ("README.md", "llama8b"),
-                     ("llama8b.yaml", "llama8b-quick"), ("scenarios.yaml", "scenarios"), ("policies.md", "zoo")]:
+                     ("llama8b.yaml", "llama8b-quick"), ("README.md", "llama7b"), ("llama7b.yaml", "llama7b"),
+                     ("llama7b.yaml", "llama7b-quick"), ("llama7b-quick.yaml", "llama7b-quick"),
+                     ("scenarios.yaml", "scenarios"), ("policies.md", "zoo")]:
         assert expected in claimed, f"no cell count of configs/{expected[1]}.yaml found in {expected[0]}"
 
 

@@ -29,7 +29,7 @@ def test_the_formula_for_gqa_and_mha():
     assert qwen["cache_bytes"] == 2 * 28 * 4 * 128 * 32768 * 2
 
 
-@pytest.mark.parametrize("name", ["llama-2-7b", "llama-3-8b", "qwen2.5-7b", "smollm2-135m"])
+@pytest.mark.parametrize("name", ["llama-2-7b", "llama-3-8b", "qwen2.5-7b", "mistral-7b-v0.3", "smollm2-135m"])
 def test_built_in_shapes_match_the_configs(name):
     assert model_shape(name) == model_shape(f"random:{name}")  # parameters counted on the meta device
 
@@ -95,6 +95,21 @@ def test_a_hub_id_naming_a_built_in_shape_is_estimated_offline(offline):
     result = runner.invoke(app, ["estimate", "meta-llama/Llama-3.1-8B-Instruct", "-c", "1024", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["layers"] == 32
+
+
+def test_mistral_7b_instruct_v0_3_is_its_own_shape_offline(offline):
+    """v0.3's vocabulary of 32768 (v0.1 and v0.2: 32000) is its own built-in shape, resolved by the hub id's version;
+    another version of the same base falls back to the base's shape."""
+    from kvbench.estimate import offline_shape
+
+    assert model_shape("mistralai/Mistral-7B-Instruct-v0.3") == SHAPES["mistral-7b-v0.3"]
+    assert offline_shape("mistralai/Mistral-7B-Instruct-v0.3").parameters == 7_248_023_552
+    assert model_shape("mistralai/Mistral-7B-Instruct-v0.2") == SHAPES["mistral-7b"]
+    result = runner.invoke(app, ["estimate", "mistralai/Mistral-7B-Instruct-v0.3", "-c", "32768", "--json"])
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.stdout)
+    assert (shown["layers"], shown["kv_heads"], shown["head_dim"]) == (32, 8, 128)
+    assert shown["rows"][0]["full_cache_bytes"] == 4 * 2**30  # 128 KiB a token in bf16, 32k tokens
 
 
 def test_a_model_unknown_offline_is_one_line_listing_the_built_in_shapes(offline):

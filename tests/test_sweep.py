@@ -305,7 +305,7 @@ def test_ctrl_c_stops_after_the_sample_in_flight(tmp_path):
     assert len(records_by_key(run)) == 2 * 7 * 8
 
 
-@pytest.mark.parametrize("name", ["smoke", "llama8b", "ci", "gate", "bytes", "lmeval"])
+@pytest.mark.parametrize("name", ["smoke", "llama8b", "llama7b", "ci", "gate", "bytes", "lmeval"])
 def test_shipped_configs_validate(name):
     result = runner.invoke(app, ["validate", str(ROOT / "configs" / f"{name}.yaml")])
     assert result.exit_code == 0, result.output
@@ -467,17 +467,29 @@ def test_a_sweep_where_no_cell_succeeded_exits_1(tmp_path, monkeypatch):
     assert result.exit_code == 1 and "sweep failed: 2 oom" in result.output
 
 
-def test_a_dry_run_needs_neither_the_device_nor_the_network(monkeypatch):
+@pytest.mark.parametrize(("name", "shape", "cells"), [("llama8b", "llama-3.1-8b", 1392),
+                                                     ("llama7b", "mistral-7b-v0.3", 1392),
+                                                     ("llama7b-quick", "mistral-7b-v0.3", 56)])
+def test_a_dry_run_needs_neither_the_device_nor_the_network(monkeypatch, name, shape, cells):
     """A config for a GPU and a hub model expands and estimates on a machine with neither: the model's size comes
-    from its built-in shape, LongBench's sample count from its smallest dataset's rows."""
+    from its built-in shape (Llama-3.1-8B's, Mistral-7B-Instruct-v0.3's), LongBench's sample count from its smallest
+    dataset's rows."""
     import torch
+    import transformers
     from typer.testing import CliRunner
 
     from kvbench.cli import app
+    from kvbench.estimate import SHAPES, offline_shape
+
+    def no_hub(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    result = CliRunner().invoke(app, ["sweep", str(ROOT / "configs" / "llama8b.yaml"), "--dry-run"])
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_hub)
+    config = ROOT / "configs" / f"{name}.yaml"
+    result = CliRunner().invoke(app, ["sweep", str(config), "--dry-run"])
     printed = " ".join(result.output.split())
     assert result.exit_code == 0, result.output
-    assert "1392 cells" in printed and "estimated time ~" in printed and "on cuda" in printed
+    assert f"{cells} cells" in printed and "estimated time ~" in printed and "on cuda" in printed, printed
+    assert offline_shape(load_config(config).model.id) == SHAPES[shape]  # the estimate's, the model's own
