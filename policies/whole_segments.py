@@ -17,8 +17,9 @@ class WholeSegments(Rescorer):
 
     A segment ranks by its entries' mean base score, averaged over the layer's KV heads (a base-protected entry
     protects its segment); an entry outside every segment ranks by its own score. Each head takes them best first
-    while they fit its budget; from the first segment that does not fit, the budget's rest goes to the best single
-    entries left, so no segment is ever cut. The segments are the session's (`Session(segments=...)`, from the task),
+    while they fit its budget; from the first segment that does not fit, the budget's rest goes to the later segments
+    that still fit, best first, then to the best single entries left, so no segment is ever cut and a smaller segment
+    is not skipped for a larger one. The segments are the session's (`Session(segments=...)`, from the task),
     known once the whole prompt is in: a prompt without them, and the earlier chunks of a chunked prefill, are
     compressed as the base alone would.
     """
@@ -51,12 +52,23 @@ class WholeSegments(Rescorer):
         unit = torch.where(inside, segment + 1, 0).gather(-1, order)  # 0: an entry outside every segment
         real = held.gather(-1, order)
         first = (torch.arange(length, device=scores.device) < budget) & real
-        total = torch.zeros(unit.shape[:2] + (len(self._segments) + 1,), device=scores.device)
-        taken_part = total.clone().scatter_add_(-1, unit, first.float())
-        total.scatter_add_(-1, unit, real.float())
-        whole = taken_part == total  # a segment all of whose entries lie within the budget's first places
-        keep = first & (whole.gather(-1, unit) | (unit == 0))
-        spare = budget - keep.sum(dim=-1, keepdim=True)
+        units = unit.shape[:2] + (len(self._segments) + 1,)
+        total = torch.zeros(units, dtype=torch.long, device=scores.device)
+        taken_part = total.clone().scatter_add_(-1, unit, first.long())
+        total.scatter_add_(-1, unit, real.long())
+        taken = taken_part == total  # a segment all of whose entries lie within the budget's first places
+        taken[..., 0] = False
+        spare = budget - (first & (taken.gather(-1, unit) | (unit == 0))).sum(dim=-1, keepdim=True)
+        # then the segments left, best first (by where each one's entries start in the order), each while it fits
+        places = torch.arange(length, device=scores.device).expand_as(unit)
+        starts = torch.full(units, length, device=scores.device).scatter_reduce_(-1, unit, places, "amin")
+        for ranked in starts[..., 1:].argsort(dim=-1, stable=True).unbind(dim=-1):
+            segment_unit = ranked[..., None] + 1
+            size = total.gather(-1, segment_unit)
+            fits = ~taken.gather(-1, segment_unit) & (size > 0) & (size <= spare)
+            taken.scatter_(-1, segment_unit, fits | taken.gather(-1, segment_unit))
+            spare -= torch.where(fits, size, 0)
+        keep = real & (taken.gather(-1, unit) | (first & (unit == 0)))
         waiting = (unit == 0) & real & ~keep
         keep |= waiting & (waiting.cumsum(dim=-1) <= spare)
         return torch.zeros_like(keep).scatter_(-1, order, keep)

@@ -89,6 +89,27 @@ def test_whole_segments_keeps_or_drops_every_example_whole_where_its_base_splits
     assert whole["kept_max"] <= split["kept_max"] and whole["evictions"] > 0  # within the budget, as its base
 
 
+def test_whole_segments_fills_what_a_segment_too_large_leaves_with_the_next_that_fit_then_loose_entries():
+    """Four examples of 4, 5, 2 and 2 entries ranked in that order, and one entry outside them, at a budget of 7.
+    Head 0 ranks the loose entry last: the second example does not fit beside the first, the third does (the better
+    of the two that would), the fourth then does not, and the loose entry fills the budget. Head 1 ranks the loose
+    entry first: it is kept with the first example, then the third. Each head keeps its whole budget, no example
+    cut."""
+    policy = build_policy("whole_segments")
+    policy._segments = (Segment("example 1", 0, 4), Segment("example 2", 4, 9), Segment("example 3", 9, 11),
+                        Segment("example 4", 11, 13))
+    examples = [0.9] * 4 + [0.5] * 5 + [0.3] * 2 + [0.2] * 2
+    scores = torch.tensor([[examples + [0.1], examples + [0.95]]])
+    policy.stage = lambda cache: SimpleNamespace(score=lambda layer, budget: scores)
+    layer = SimpleNamespace(owner=None, live_positions=lambda: torch.arange(14).expand(1, 2, 14), padding=lambda: None)
+    kept = policy.select(layer, 7)
+    assert [row.nonzero()[:, 0].tolist() for row in kept[0]] == [[0, 1, 2, 3, 9, 10, 13]] * 2
+    assert kept.sum(-1).tolist() == [[7, 7]]
+    # a budget the second example fits beside the first: the first two, then the loose entry where it ranks
+    kept = policy.select(layer, 10)
+    assert [row.nonzero()[:, 0].tolist() for row in kept[0]] == [[*range(9), 13]] * 2
+
+
 def test_whole_segments_without_segments_is_its_base(tiny_llama):
     task = build_task("niah", {"depths": [0.5]})
     sample = task.samples(tiny_llama.tokenizer, 300, 1, 0)[0]
