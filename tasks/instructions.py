@@ -166,11 +166,12 @@ class Instructions(Task):
         segments = prompt_segments(lm.tokenizer, sample, rules)
         answer = generate(lm, policy, *encode_prompt(lm.tokenizer, sample), settings, limit, sample.stop,
                           shared=shared, segments=segments)
-        if self.leak_probe:  # a request of its own, under a fresh copy of the policy, with room to repeat it all
+        if self.leak_probe:  # a request of its own, under a fresh copy of the policy, with room to repeat it all,
+            # its rules the same segments of its prompt as the answer's (a policy that keeps them whole sees them)
             room = len(lm.tokenizer(sample.system, add_special_tokens=False).input_ids) + 8
-            probe = generate(lm, dataclasses.replace(policy),
-                             *encode_prompt(lm.tokenizer, dataclasses.replace(sample, question=PROBE)), settings,
-                             room, sample.stop)
+            asked = dataclasses.replace(sample, question=PROBE)
+            probe = generate(lm, dataclasses.replace(policy), *encode_prompt(lm.tokenizer, asked), settings,
+                             room, sample.stop, segments=prompt_segments(lm.tokenizer, asked, rules))
             answer.extra["leak_answer"] = probe.prediction
         return answer
 

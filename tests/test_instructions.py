@@ -20,6 +20,7 @@ from kvbench.summary import summarize
 from kvbench.tasks import build_task
 from kvbench.tasks.base import encode_prompt, prompt_segments
 from kvbench.tasks.instructions import KINDS, PREAMBLE, PROBE, Rule, leaked
+from tests.conftest import needs_embedded
 from tests.helpers import tiny_policy
 from tests.test_fewshot import SPECS
 from tests.test_gate import BASE_CELL
@@ -122,6 +123,58 @@ def test_the_prompt_fills_the_context_and_each_rule_is_a_segment(tiny_llama):
             assert text in tokenizer.decode(context[segment.start : segment.end])
     with pytest.raises(KvbenchError, match="too short"):
         task.samples(tokenizer, 100, 1, 0)
+
+
+def _rules(sample) -> list[tuple[str, str]]:
+    return [(f"rule {i}", f"{i}. {Rule(**r).text}") for i, r in enumerate(sample.meta["rules"], 1)]
+
+
+def test_each_rules_segment_is_exactly_its_tokens(tiny_llama):
+    """One token a byte on the random models: a rule's segment decodes to the rule's text, no more."""
+    tokenizer = tiny_llama.tokenizer
+    for sample in build_task("instructions").samples(tokenizer, 500, 2, 0):
+        context, _ = encode_prompt(tokenizer, sample)
+        rules = _rules(sample)
+        for segment, (_, text) in zip(prompt_segments(tokenizer, sample, rules), rules, strict=True):
+            assert tokenizer.decode(context[segment.start : segment.end]) == text
+
+
+@needs_embedded
+def test_on_a_subword_tokenizer_a_rules_segment_is_the_fewest_tokens_that_hold_it(smollm):
+    """Through the chat template: the segment's tokens hold the rule's text, and dropping its first or its last
+    token loses some of it."""
+    tokenizer = smollm.tokenizer
+    sample = build_task("instructions").samples(tokenizer, 300, 1, 0)[0]
+    context, _ = encode_prompt(tokenizer, sample)
+    rules = _rules(sample)
+    for segment, (_, text) in zip(prompt_segments(tokenizer, sample, rules), rules, strict=True):
+        assert text in tokenizer.decode(context[segment.start : segment.end])
+        assert text not in tokenizer.decode(context[segment.start + 1 : segment.end])
+        assert text not in tokenizer.decode(context[segment.start : segment.end - 1])
+
+
+def test_the_leak_probe_runs_under_the_segments_of_its_own_prompt(tiny_llama, monkeypatch):
+    """The answer and the probe each get their prompt's rules as segments (whole_segments keeps them whole in both),
+    each segment exactly its rule's tokens in the probe's prompt."""
+    import kvbench.generation
+
+    calls = []
+    real = kvbench.generation.generate
+
+    def spy(lm, policy, context, question, *args, segments=(), **kwargs):
+        calls.append((context, question, segments))
+        return real(lm, policy, context, question, *args, segments=segments, **kwargs)
+
+    monkeypatch.setattr(kvbench.generation, "generate", spy)
+    task = build_task("instructions", {"answer_tokens": 2})
+    sample = task.samples(tiny_llama.tokenizer, 500, 1, 0)[0]
+    evaluate(tiny_llama, task, build_spec("whole_segments"), sample, RunSettings(budget=0.5), 500, 0)
+    (_, question, segments), (probe, probe_question, probe_segments) = calls
+    assert probe_question == encode_prompt(tiny_llama.tokenizer, dataclasses.replace(sample, question=PROBE))[1]
+    assert probe_question != question and [s.label for s in probe_segments] == ["rule 1", "rule 2", "rule 3", "rule 4"]
+    assert probe_segments == segments
+    for segment, (_, text) in zip(probe_segments, _rules(sample), strict=True):
+        assert tiny_llama.tokenizer.decode(probe[segment.start : segment.end]) == text
 
 
 def test_the_probe_is_a_request_of_its_own_and_the_record_says_what_each_rule_kept(tiny_llama):
