@@ -7,17 +7,25 @@ the same thing (a folder kvpress's own `from_pretrained` loads):
   from the attention's input hidden states to their KVzip+ scores (kvbench/kvzap.py), in kvpress's `KVzapModel` format.
 - `expected-attention`: the mean and covariance of the pre-RoPE queries, in kvpress's `ExpectedAttentionStats`
   format (what its `ExpectedAttentionStatsPress` reads).
+
+Each calibration window starts as the prompts its policy then sees start (`window_start`), and what is computed is
+kept per model, keyed by the settings, the corpus, the model and `CALIBRATION_FORMAT`; a policy reads its artifact
+once per loaded model (`read_artifact`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import tempfile
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -28,6 +36,9 @@ from kvbench.models import LoadedModel, cache_dir, model_digest, per_model
 from kvbench.policies.base import Policy, Schedule
 
 WEIGHTS_FILE, CONFIG_FILE, PROVENANCE_FILE = "model.safetensors", "config.json", "calibration.json"
+# what the cached calibrations were computed by: bumped whenever a method's math or its windows change, so that an
+# entry computed before is recomputed, not read back (1: every window starts as an inference prompt starts)
+CALIBRATION_FORMAT = 1
 
 
 @dataclass(frozen=True)
@@ -77,6 +88,7 @@ class Calibrated:
     documents: int
     tokens: int
     quality: dict[str, Any]  # how well it does on held-out text (KVzap), as the provenance file records it
+    stale: int | None = None  # the format of a cached calibration found and recomputed (None: none was)
 
 
 def require_method(method: str) -> None:
@@ -99,41 +111,104 @@ def dtype_name(lm: LoadedModel) -> str:
     return str(lm.dtype).removeprefix("torch.")
 
 
-def corpus_documents(lm: LoadedModel, corpus: str, settings: Settings) -> list[list[int]]:
-    """`settings.documents` windows of `settings.tokens` consecutive tokens of `corpus`, drawn with the seed among
-    the corpus's non-overlapping windows."""
+# a chat template's user turn around this text shows where the turn's text goes
+_TURN_TEXT = "kvbench calibration window"
+_CHAT_METHODS = ("kvzap-linear", "kvzap-mlp")  # kvpress's KVzapDataCollector feeds each text as a chat turn
+
+
+def window_start(tokenizer, method: str) -> tuple[list[int], str]:
+    """The tokens every calibration window of `method` starts with, as the prompts its policy sees start (tasks'
+    `encode_prompt`), and what they are, for the provenance. KVzap's reference (kvpress's KVzapDataCollector) feeds
+    each text as a user turn of the chat template: its windows start with the template's opening of a user turn,
+    where the tokenizer has a template ("chat template"). The Q-Filters reference (make_filters.py) and kvpress's
+    Expected Attention statistics tokenise raw text with the tokenizer's special tokens, as every prompt without a
+    template is: theirs, and KVzap's without a template, start with the tokens the tokenizer adds before a text
+    ("start token": BOS where it adds one; "none" where it adds none)."""
+    if method in _CHAT_METHODS and getattr(tokenizer, "chat_template", None):
+        turn = tokenizer.apply_chat_template([{"role": "user", "content": _TURN_TEXT}], tokenize=False,
+                                             add_generation_prompt=True)
+        # the template writes its own special tokens, as a prompt's are (encode_prompt)
+        return tokenizer(turn.split(_TURN_TEXT)[0], add_special_tokens=False).input_ids, "chat template"
+    plain = tokenizer(_TURN_TEXT, add_special_tokens=False).input_ids
+    full = tokenizer(_TURN_TEXT, add_special_tokens=True).input_ids
+    at = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), 0)
+    return full[:at], "start token" if at else "none"
+
+
+def corpus_documents(lm: LoadedModel, corpus: str, settings: Settings, method: str) -> list[list[int]]:
+    """`settings.documents` windows of `settings.tokens` tokens: each `window_start`, then consecutive tokens of
+    `corpus`, drawn with the seed among the corpus's non-overlapping stretches of that length."""
     from kvbench.tasks.corpus import load_corpus
 
+    start, _ = window_start(lm.tokenizer, method)
+    length = settings.tokens - len(start)
+    if length < 1:
+        raise KvbenchError(f"kvbench calibrate: --tokens {settings.tokens} leaves no room for text after the "
+                           f"{len(start)} tokens each window of {method} starts with")
     ids = lm.tokenizer.encode(load_corpus(corpus), add_special_tokens=False)
-    windows = len(ids) // settings.tokens
+    windows = len(ids) // length
     if windows < settings.documents:
         raise KvbenchError(f"kvbench calibrate: corpus '{corpus}' has {len(ids)} tokens, {windows} documents of "
                            f"{settings.tokens}; asked for {settings.documents}")
     chosen = torch.randperm(windows, generator=torch.Generator().manual_seed(settings.seed))[: settings.documents]
-    return [ids[w * settings.tokens : (w + 1) * settings.tokens] for w in sorted(chosen.tolist())]
+    return [start + ids[w * length : (w + 1) * length] for w in sorted(chosen.tolist())]
 
 
 def calibrate(lm: LoadedModel, method: str, corpus: str, settings: Settings, output: Path | None = None,
-              advance: Callable[[int, int], None] = lambda done, total: None) -> Calibrated:
+              advance: Callable[[int, int], None] = lambda done, total: None,
+              notice: Callable[[str], None] = lambda line: None) -> Calibrated:
     """`method`'s artifact for `lm` from `corpus` (`embedded` or a file or folder of text), written to `output`
-    (default: `default_folder`). The computation is cached per model and settings (`per_model`), so a second call
-    only writes the folder. `advance(done, total)` after each document."""
+    (default: `default_folder`). The computation is cached per model, settings and `CALIBRATION_FORMAT`
+    (`per_model`), so a second call only writes the folder; a cached one of another format is recomputed, said in
+    one line to `notice`. `advance(done, total)` after each document. A folder that cannot be written is a one-line
+    error before anything is computed."""
     require_method(method)
-    documents = corpus_documents(lm, corpus, settings)
+    folder = output or default_folder(lm, method)
+    check_writable(folder)
+    check_writable(cache_dir() / f"calibrate-{method}")  # where the computation is kept (`per_model`)
+    documents = corpus_documents(lm, corpus, settings, method)
+    start, starts_with = window_start(lm.tokenizer, method)
     corpus_digest = hashlib.sha256(json.dumps(documents).encode()).hexdigest()[:16]
     variant = f"{asdict(settings)} corpus={corpus_digest}"
+    stale: list[int] = []
+
+    def recomputing(found: int) -> None:
+        stale.append(found)
+        notice(f"kvbench calibrate: the cached {method} calibration of {lm.spec} was made by calibration format "
+               f"{found}, this kvbench's is {CALIBRATION_FORMAT}: recomputing it")
+
     started = time.perf_counter()
     saved, computed = per_model(lm, f"calibrate-{method}", variant,
-                                lambda: _compute(lm, method, documents, settings, advance))
+                                lambda: _compute(lm, method, documents, settings, len(start), advance),
+                                version=CALIBRATION_FORMAT, stale=recomputing)
     seconds = time.perf_counter() - started
-    folder = output or default_folder(lm, method)
     provenance = {"model": lm.spec, "dtype": dtype_name(lm), "corpus": corpus, "method": method,
-                  **asdict(settings), "kvbench": __version__}
+                  **asdict(settings), "window_start": starts_with, "window_start_tokens": len(start),
+                  "window_start_text": lm.tokenizer.decode(start), "calibration_format": CALIBRATION_FORMAT,
+                  "kvbench": __version__}
     quality = _save(lm, method, saved, folder, provenance)
-    return Calibrated(folder, computed, seconds, len(documents), settings.tokens, quality)
+    return Calibrated(folder, computed, seconds, len(documents), settings.tokens, quality, stale[0] if stale else None)
 
 
-def _compute(lm: LoadedModel, method: str, documents: list[list[int]], settings: Settings,
+def check_writable(folder: Path) -> None:
+    """A one-line error unless `folder` is, or can be made, a folder this process writes in, naming what is in the
+    way: a file where it or a folder above it would be, a place it may not write in (tried: a folder made there and
+    removed, so a read-only file system is found out too)."""
+    if folder.exists() and not folder.is_dir():
+        raise KvbenchError(f"kvbench calibrate: cannot write the folder {folder}: it is a file")
+    above = folder
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise KvbenchError(f"kvbench calibrate: cannot create the folder {folder}: {above} is a file")
+    try:
+        Path(tempfile.mkdtemp(prefix=".kvbench-check.", dir=above)).rmdir()
+    except OSError as exc:
+        raise KvbenchError(f"kvbench calibrate: cannot {'write' if above == folder else 'create'} the folder "
+                           f"{folder}: {above} is not writable ({exc.strerror or type(exc).__name__})") from None
+
+
+def _compute(lm: LoadedModel, method: str, documents: list[list[int]], settings: Settings, start: int,
              advance: Callable[[int, int], None]) -> dict[str, torch.Tensor]:
     from kvbench import kvzap  # it runs sessions, which import the policies
 
@@ -141,7 +216,7 @@ def _compute(lm: LoadedModel, method: str, documents: list[list[int]], settings:
         return {"q_filters": qfilters(lm, documents, settings, advance)}
     if method == "expected-attention":
         return query_statistics(lm, documents, advance)
-    return kvzap.fit(lm, documents, settings, method.removeprefix("kvzap-"), advance)
+    return kvzap.fit(lm, documents, settings, method.removeprefix("kvzap-"), advance, skip=start)
 
 
 def _save(lm: LoadedModel, method: str, saved: dict[str, torch.Tensor], folder: Path,
@@ -189,16 +264,55 @@ def qfilters(lm: LoadedModel, documents: list[list[int]], settings: Settings,
 
 def write_artifact(folder: Path, tensors: dict[str, torch.Tensor], config: dict, provenance: dict) -> None:
     """A folder as kvpress's `save_pretrained` writes one (the tensors in `model.safetensors`, float32, and
-    `config.json`), with kvbench's provenance beside them in `calibration.json`."""
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({name: tensor.detach().float().cpu().contiguous() for name, tensor in tensors.items()},
-              str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
-    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    (folder / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+    `config.json`), with kvbench's provenance beside them in `calibration.json`. The files are written whole in a
+    folder beside it, then moved in, so a failed write leaves no part of an artifact; one that cannot be written is a
+    one-line error."""
+    staging = folder.with_name(f".{folder.name}.{os.getpid()}.{time.time_ns()}.tmp")
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+        save_file({name: tensor.detach().float().cpu().contiguous() for name, tensor in tensors.items()},
+                  str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        (staging / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+        if folder.is_dir():  # a folder written before (or the user's own): its files replaced one by one
+            for name in (WEIGHTS_FILE, CONFIG_FILE, PROVENANCE_FILE):
+                (staging / name).replace(folder / name)
+        else:
+            staging.rename(folder)
+    except OSError as exc:
+        raise KvbenchError(f"kvbench calibrate: cannot write the folder {folder}: "
+                           f"{exc.strerror or type(exc).__name__}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / WEIGHTS_FILE))
+
+
+Artifact = TypeVar("Artifact")
+# what calibrated policies read of artifact folders, per model object: (what, folder) -> (the weights file's
+# identity, what was read)
+_READ: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[str, str], tuple[tuple[int, ...], Any]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def read_artifact(lm: LoadedModel, folder: Path, what: str, read: Callable[[Path], Artifact]) -> Artifact:
+    """`read(folder)`, `what` a policy makes of an artifact folder for `lm` (its tensors on the model's device), once
+    per loaded model: kept while the folder's weights file is the same file, unchanged (its inode, size and
+    modification time), so every session after the first reads nothing (a server reads its artifacts once, at
+    start-up). Shared by every session on the model: read only."""
+    try:
+        stat = (folder / WEIGHTS_FILE).stat()
+    except OSError:
+        return read(folder)  # no artifact there: `read`'s own error
+    identity = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    kept = _READ.setdefault(lm.model, {})
+    key = (what, str(folder.resolve()))
+    if key not in kept or kept[key][0] != identity:
+        kept[key] = (identity, read(folder))
+    return kept[key][1]
 
 
 def save_qfilters(filters: torch.Tensor, folder: Path, provenance: dict) -> None:

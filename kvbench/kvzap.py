@@ -117,9 +117,11 @@ def targets(lm: LoadedModel, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor
 
 
 def fit(lm: LoadedModel, documents: list[list[int]], settings: Settings, model_type: str,
-        advance: Callable[[int, int], None]) -> dict[str, torch.Tensor]:
+        advance: Callable[[int, int], None], skip: int = 0) -> dict[str, torch.Tensor]:
     """The surrogate's weights (`WEIGHTS` + its state's names), `r2` `[layers]` and `agreement` on the held-out
-    documents, and `hidden_dim` (0: linear), as the per-model cache keeps them."""
+    documents, and `hidden_dim` (0: linear), as the per-model cache keeps them. The first `skip` positions of each
+    document (the chat template's opening a window starts with) run but are neither trained on nor scored: kvpress's
+    collector samples the text's positions only."""
     if model_type not in ("linear", "mlp"):
         raise KvbenchError(f"kvzap: model type '{model_type}' is not one of linear, mlp")
     generator = torch.Generator().manual_seed(settings.seed)
@@ -128,11 +130,11 @@ def fit(lm: LoadedModel, documents: list[list[int]], settings: Settings, model_t
     samples: list[tuple[torch.Tensor, torch.Tensor]] = []
     held_out: list[tuple[torch.Tensor, torch.Tensor]] = []
     for index, ids in enumerate(documents):
-        features, scores = targets(lm, ids)
+        features, scores = (values[:, skip:] for values in targets(lm, ids))
         if index >= training:
             held_out.append((features, scores))
         else:
-            chosen = torch.randperm(len(ids), generator=generator)[: settings.samples]
+            chosen = torch.randperm(len(ids) - skip, generator=generator)[: settings.samples]
             if ridge is not None:
                 ridge.add(features[:, chosen], scores[:, chosen])
             else:  # held in the model's dtype, as kvpress holds them

@@ -273,38 +273,67 @@ def cache_dir() -> Path:
 _PER_MODEL: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, dict[str, torch.Tensor]]] = weakref.WeakKeyDictionary()
 
 
-def per_model(lm: LoadedModel, name: str, variant: str,
-              compute: Callable[[], dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], bool]:
+def per_model(lm: LoadedModel, name: str, variant: str, compute: Callable[[], dict[str, torch.Tensor]],
+              version: int = 0, stale: Callable[[int], None] | None = None) -> tuple[dict[str, torch.Tensor], bool]:
     """The tensors `compute()` derives from `lm` (a policy's calibration: RazorAttention's head scores), computed once
     per model: kept in memory per model object and on disk in `cache_dir()/name/`, keyed by `model_digest` (and
-    `variant`, the computation's own settings), so a sweep's cells and later runs read them back. Returns them and
-    whether they were computed now."""
+    `variant`, the computation's own settings), so a sweep's cells and later runs read them back. `version` is the
+    computation's own (bumped when its math changes; an entry without one is version 0): an entry on disk of another
+    version is recomputed and replaced, `stale(its version)` told first. Returns the tensors and whether they were
+    computed now."""
     in_memory = _PER_MODEL.setdefault(lm.model, {})
-    key = f"{name}|{variant}"
+    key = f"{name}|{variant}|{version}"
     if key in in_memory:
         return in_memory[key], False
     path = cache_dir() / name / f"{model_digest(lm, variant)}.pt"
-    computed = not path.exists()
-    if computed:
+    values = torch.load(path) if path.exists() else None
+    if values is not None:
+        found = int(values.pop(VERSION_KEY, torch.tensor(0)))
+        if found != version:
+            if stale is not None:
+                stale(found)
+            values = None
+    computed = values is None
+    if values is None:
         values = compute()
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.{time.time_ns()}.tmp")  # written whole, then renamed
-        torch.save(values, partial)
+        torch.save({**values, **({VERSION_KEY: torch.tensor(version)} if version else {})}, partial)
         partial.replace(path)
-    else:
-        values = torch.load(path)
     in_memory[key] = values
     return values, computed
 
 
+VERSION_KEY = "__kvbench_version__"  # a `per_model` entry's version, beside its tensors (absent: version 0)
+# each model object's digests per variant, with the state of the weights they hashed
+_DIGESTS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, tuple[tuple[tuple[int, int], ...], str]]] = \
+    weakref.WeakKeyDictionary()
+
+
 def model_digest(lm: LoadedModel, variant: str = "") -> str:
     """A model's identity: its config, dtype and attention weights (a random model's seed, or weights changed after
-    loading, give another digest), with `variant` mixed in."""
-    digest = hashlib.sha256(f"{lm.model.config.to_json_string()}|{lm.dtype}|{variant}".encode())
+    loading, give another digest), with `variant` mixed in. Hashed once per model object and variant, then kept while
+    the hashed weights are the same tensors, unchanged in place (torch counts every in-place write to a tensor; a
+    write through `.data` bypasses that count and is not seen)."""
+    weights = _identity_weights(lm)
+    state = tuple((parameter.data_ptr(), parameter._version) for _, parameter in weights)
+    kept = _DIGESTS.setdefault(lm.model, {})
+    if variant not in kept or kept[variant][0] != state:
+        kept[variant] = (state, hash_weights(lm, weights, variant))
+    return kept[variant][1]
+
+
+def _identity_weights(lm: LoadedModel) -> list[tuple[str, torch.nn.Parameter]]:
+    """The weights a model's digest hashes: the attention weights tell models of one config apart; a model naming
+    them otherwise is hashed whole."""
     named = list(lm.model.named_parameters())
-    # the attention weights tell models of one config apart; a model naming them otherwise is hashed whole
-    attention_weights = [(name, p) for name, p in named if "attn" in name or "attention" in name] or named
-    for name, parameter in attention_weights:
+    return [(name, p) for name, p in named if "attn" in name or "attention" in name] or named
+
+
+def hash_weights(lm: LoadedModel, weights: list[tuple[str, torch.nn.Parameter]], variant: str) -> str:
+    """SHA-256 of the config, dtype, `variant` and every byte of `weights` (a copy to the CPU of each)."""
+    digest = hashlib.sha256(f"{lm.model.config.to_json_string()}|{lm.dtype}|{variant}".encode())
+    for name, parameter in weights:
         digest.update(name.encode())
         digest.update(parameter.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:24]

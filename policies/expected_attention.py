@@ -214,20 +214,26 @@ class ExpectedAttentionStats(ExpectedAttention):
 
     def load(self, lm) -> tuple[torch.Tensor, torch.Tensor]:
         """The statistics for `lm`, checked against its shape; a missing artifact names the command that makes it."""
-        from kvbench.calibrate import calibrate_command, default_folder, load_query_statistics  # it imports policies
+        from kvbench.calibrate import (  # it imports the policies
+            calibrate_command,
+            default_folder,
+            load_query_statistics,
+            read_artifact,
+        )
 
         method = "expected-attention"
         folder = default_folder(lm, method) if self.stats_folder is None else Path(self.stats_folder).expanduser()
         if not folder.is_dir():
             command = calibrate_command(lm, method) + ("" if self.stats_folder is None else f" -o {self.stats_folder}")
             raise KvbenchError(f"policy '{self.name}': no query statistics in {folder}: make them with `{command}`")
-        stats = load_query_statistics(folder)
+        mean, covariance = read_artifact(lm, folder, "query statistics", lambda found: tuple(
+            load_query_statistics(found)[name].to(lm.device) for name in ("query_mean", "query_cov")))
         expected = (lm.num_layers, lm.model.config.num_attention_heads, lm.head_dim)
-        shape = tuple(stats["query_mean"].shape)
+        shape = tuple(mean.shape)
         if shape != expected:
             raise KvbenchError(f"policy '{self.name}': the statistics in {folder} are {shape} (layers, heads, "
                                f"head_dim); {lm.spec} needs {expected}")
-        return stats["query_mean"].to(lm.device), stats["query_cov"].to(lm.device)
+        return mean, covariance
 
     def observe(self, layer, query, key, scaling, phase) -> None:
         layer.layer_stats[self.state_key] = scaling  # all it needs of the queries

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,20 +49,21 @@ class KVzap(PromptScorer):
         self._surrogate: Surrogate | None = None
 
     def prepare(self, lm) -> None:
-        self._surrogate = self.load(lm).to(lm.device)
+        self._surrogate = self.load(lm)
         record_attention_inputs(lm.model)
 
     def load(self, lm) -> Surrogate:
-        """The surrogate for `lm`, checked against its shape; a missing artifact names the command that makes it."""
+        """The surrogate for `lm` on its device (read once per model: shared, not to be changed), checked against its
+        shape; a missing artifact names the command that makes it."""
         from kvbench import kvzap  # it imports the policies
-        from kvbench.calibrate import calibrate_command, default_folder
+        from kvbench.calibrate import calibrate_command, default_folder, read_artifact
 
         method = f"kvzap-{self.model_type}"
         folder = default_folder(lm, method) if self.kvzap_model is None else Path(self.kvzap_model).expanduser()
         if not folder.is_dir():
             command = calibrate_command(lm, method) + ("" if self.kvzap_model is None else f" -o {self.kvzap_model}")
             raise KvbenchError(f"policy 'kvzap': no KVzap model in {folder}: make it with `{command}`")
-        surrogate = kvzap.load(folder)
+        surrogate = read_artifact(lm, folder, "kvzap", lambda found: kvzap.load(found).to(lm.device))
         shape, expected = (len(surrogate.layers), surrogate.input_dim), (lm.num_layers, lm.model.config.hidden_size)
         if shape != expected:
             raise KvbenchError(f"policy 'kvzap': the KVzap model in {folder} is for {shape} (layers, hidden size); "
@@ -84,4 +86,4 @@ class KVzap(PromptScorer):
         return protect(layer.slot_stat(self.state_key).exp(), recent_mask(layer, self.window))
 
     def reference(self, lm, prompt, decode, budget) -> Reference:
-        return kvzap_kept(lm, prompt, budget, list(self.load(lm).layers))
+        return kvzap_kept(lm, prompt, budget, list(copy.deepcopy(self.load(lm)).layers))  # it moves them to the CPU

@@ -31,18 +31,23 @@ class QFilter(PromptScorer):
 
     def load(self, lm) -> torch.Tensor:
         """The filters for `lm`, checked against its shape; a missing artifact names the command that makes it."""
-        from kvbench.calibrate import calibrate_command, default_folder, load_qfilters  # it imports the policies
+        from kvbench.calibrate import (  # it imports the policies
+            calibrate_command,
+            default_folder,
+            load_qfilters,
+            read_artifact,
+        )
 
         folder = default_folder(lm, "qfilter") if self.filters is None else Path(self.filters).expanduser()
         if not folder.is_dir():
             command = calibrate_command(lm, "qfilter") + ("" if self.filters is None else f" -o {self.filters}")
             raise KvbenchError(f"policy 'qfilter': no Q-Filters in {folder}: make them with `{command}`")
-        filters = load_qfilters(folder)
+        filters = read_artifact(lm, folder, "q_filters", lambda found: load_qfilters(found).to(lm.device))
         expected = (lm.num_layers, lm.kv_heads, lm.head_dim)
         if tuple(filters.shape) != expected:
             raise KvbenchError(f"policy 'qfilter': the Q-Filters in {folder} are {tuple(filters.shape)} (layers, KV "
                                f"heads, head_dim); {lm.spec} needs {expected}")
-        return filters.to(lm.device)
+        return filters
 
     def score(self, layer, budget: int) -> torch.Tensor:
         if self._filters is None:

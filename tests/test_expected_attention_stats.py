@@ -45,7 +45,7 @@ def test_the_statistics_are_kvpress_s_collect_queries_in_its_format(sharp_llama,
     calibrate(sharp_llama, "expected-attention", str(corpus), SETTINGS, tmp_path)
     tap = QueryTap(sharp_llama)
     try:
-        for ids in corpus_documents(sharp_llama, str(corpus), SETTINGS):
+        for ids in corpus_documents(sharp_llama, str(corpus), SETTINGS, "expected-attention"):
             stock_forward(sharp_llama, DynamicCache(), ids, 0)
     finally:
         tap.close()

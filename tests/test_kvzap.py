@@ -55,7 +55,7 @@ def calibrated(sharp_llama, corpus, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def held_out(sharp_llama, corpus) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The held-out documents' features and KVzip+ targets, as the calibration scored them."""
-    documents = corpus_documents(sharp_llama, str(corpus), SETTINGS)[-SETTINGS.held_out:]
+    documents = corpus_documents(sharp_llama, str(corpus), SETTINGS, "kvzap-mlp")[-SETTINGS.held_out:]
     return [kvzap.targets(sharp_llama, ids) for ids in documents]
 
 
@@ -101,7 +101,7 @@ def test_the_targets_are_kvzip_plus_scores_and_the_ridge_is_scikit_learns(sharp_
     """The linear surrogate is Ridge(alpha=1) with an intercept, here by least squares on the augmented system
     [X - mean; sqrt(alpha) I] W = [y - mean; 0], from every position of two documents with a recorded target."""
     settings = Settings(documents=2, tokens=96, samples=96)
-    documents = corpus_documents(sharp_llama, str(corpus), settings)
+    documents = corpus_documents(sharp_llama, str(corpus), settings, "kvzap-linear")
     saved = kvzap.fit(sharp_llama, documents, settings, "linear", lambda done, total: None)
     data = [kvzap.targets(sharp_llama, ids) for ids in documents]
     for layer in range(sharp_llama.num_layers):

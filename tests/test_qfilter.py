@@ -75,7 +75,7 @@ def svd_filters(lm, documents: list[list[int]]) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def expected_filters(sharp_llama, corpus) -> torch.Tensor:
-    return svd_filters(sharp_llama, corpus_documents(sharp_llama, str(corpus), SETTINGS))
+    return svd_filters(sharp_llama, corpus_documents(sharp_llama, str(corpus), SETTINGS, "qfilter"))
 
 
 def broken(filters: torch.Tensor, how: str) -> torch.Tensor:
@@ -115,7 +115,7 @@ def test_a_broken_artifact_keeps_other_entries(sharp_llama, calibrated, expected
 
 def test_the_calibration_is_deterministic_for_a_seed(sharp_llama, corpus):
     sampled = Settings(documents=2, tokens=48, samples=40)
-    documents = corpus_documents(sharp_llama, str(corpus), sampled)
+    documents = corpus_documents(sharp_llama, str(corpus), sampled, "qfilter")
 
     def run(seed: int) -> torch.Tensor:
         settings = Settings(documents=2, tokens=48, samples=40, seed=seed)

@@ -9,8 +9,8 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from kvbench.calibrate import METHODS, SIZES, dtype_name, require_method
-from kvbench.cli.app import DTYPE, app, progress_bar, stdout, user_errors
+from kvbench.calibrate import METHODS, SIZES, check_writable, dtype_name, require_method
+from kvbench.cli.app import DTYPE, app, progress_bar, stderr, stdout, user_errors
 
 KVZAP_SMALL, KVZAP_PAPER = SIZES["kvzap-mlp"]
 
@@ -53,12 +53,15 @@ def calibrate(
 
     Saved in kvpress's format, so kvpress's own press loads the same folder: qfilter (QFilters, for the qfilter
     policy), kvzap-linear and kvzap-mlp (KVzapModel, for kvzap; with its R^2 on held-out text), expected-attention
-    (ExpectedAttentionStats, for expected_attention_stats). Computed once per model and settings: a second run reads
-    the result back."""
+    (ExpectedAttentionStats, for expected_attention_stats). Each window starts as the policy's prompts do (the
+    tokenizer's start token; for kvzap the chat template's user turn, where there is one). Computed once per model,
+    settings and calibration format: a second run reads the result back, one made by an older kvbench is recomputed."""
     from kvbench.calibrate import calibrate as run_calibration
     from kvbench.models import load_model
 
     require_method(method)  # before the model loads
+    if output is not None:
+        check_writable(output)
     size = SIZES[method][1 if paper else 0]
     given = {"documents": documents, "tokens": tokens, "samples": samples, "held_out": held_out}
     settings = replace(size, seed=seed, **{key: value for key, value in given.items() if value is not None})
@@ -66,7 +69,8 @@ def calibrate(
     with progress_bar(disable=False) as progress:
         bar = progress.add_task(f"{method}: documents", total=settings.documents)
         done = run_calibration(lm, method, corpus, settings, output,
-                               advance=lambda finished, total: progress.update(bar, completed=finished))
+                               advance=lambda finished, total: progress.update(bar, completed=finished),
+                               notice=lambda line: stderr.print(escape(line), highlight=False, soft_wrap=True))
     how = f"in {done.seconds:.1f} s" if done.computed else "read back from the per-model cache"
     scored = "" if math.isnan(done.quality.get("held_out_r2", math.nan)) else \
         (f"; on {settings.held_out} held-out documents R^2 {done.quality['held_out_r2']:.3f}, kept sets agree "
