@@ -12,10 +12,13 @@ what the admitted requests hold or will hold, and checked after every step again
 pool outgrown by decoding preempts the newest running request, which goes back to the front of the queue and is
 recomputed from its prompt (its answer is its run alone's again; vLLM re-prefills the prompt with the output so far,
 which a prefill-time policy would then compress as prompt). A request waits at most `timeout_s` in the queue, the queue
-holds at most `max_queue`, and nothing runs past `horizon_s`: each request ends finished or rejected, with the reason.
+holds at most `max_queue`, and nothing runs past `horizon_s`: each request offered ends finished or rejected, with the
+reason; one the horizon came before (not arrived yet, or not sent yet by its closed-loop user) was never offered.
 
-Time is the wall clock, except that an idle service skips to the next arrival (nothing runs meanwhile, so no
-measurement changes).
+Time is the wall clock from when the service is set up, except that an idle service skips to the next arrival
+(nothing runs meanwhile, so no measurement changes). Setting up is a server's start-up, off the clock: the policy is
+prepared once (its calibration artifacts read, the model's digest hashed, RazorAttention's calibration run), and what
+that read or computed is kept per model, so each request's session finds it there and its times are its own work.
 """
 
 from __future__ import annotations
@@ -46,8 +49,8 @@ class Load:
     """How requests arrive and what the service holds: Poisson arrivals at `rate` requests/s, a closed loop of `users`
     (each sends its next request when its last one ended), or a trace's `arrivals`; `requests` in all. `pool_bytes`
     of KV memory (None: unbounded). A request waits in the queue at most `timeout_s`, the queue holds at most
-    `max_queue`, and whatever has not ended by `horizon_s` is rejected. `slo_ttft_s` and `slo_tpot_s`: what a good
-    request meets."""
+    `max_queue`, and whatever arrived but has not ended by `horizon_s` is rejected (what had not arrived by then is not
+    offered). `slo_ttft_s` and `slo_tpot_s`: what a good request meets."""
 
     requests: int
     rate: float | None = None
@@ -63,7 +66,7 @@ class Load:
 
 
 # why a request is turned away: its cache cannot fit the empty pool, its decoding outgrew the pool while it ran
-# alone, it arrived at a full queue, waited past the timeout, or had not ended by the horizon
+# alone, it arrived at a full queue, waited past the timeout, or had arrived but not ended by the horizon
 REJECTED = ("larger than the pool", "outgrew the pool alone", "queue full", "timed out in the queue",
             "not ended by the horizon")
 
@@ -82,13 +85,14 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     preemptions: int = 0
     rejected: str | None = None  # why it was turned away: one of REJECTED
+    offered: bool = True  # False: the horizon came before it arrived (or before its closed-loop user sent it)
     session: Session | None = None  # while it runs
     prefill: Iterator[None] | None = None  # its prefill's chunks still to run
     measured: dict[str, Any] = field(default_factory=dict)  # its session's measurements, taken as it finished
 
     @property
     def ended(self) -> bool:
-        return self.finished_s is not None or self.rejected is not None
+        return self.finished_s is not None or self.rejected is not None or not self.offered
 
     def latencies(self) -> dict[str, Any]:
         """The record's latency columns (vLLM's definitions): time to first token from arrival, time per output
@@ -242,8 +246,9 @@ def _bytes(lm: LoadedModel, tokens: int) -> int:
 
 class Service:
     """`prompts` (in arrival order for an open loop) served under `load`, each request with a fresh copy of `policy`
-    (its own state, as each sample of a sweep has) at `settings`. Every session's memory peaks are the service's
-    (`memory`, entered by the caller); `on_step` sees the progress (requests ended, offered)."""
+    (its own state, as each sample of a sweep has) at `settings`. `policy` is prepared once here, before the clock
+    starts (a server's start-up: what a calibrated policy reads is then kept per model). Every session's memory peaks
+    are the service's (`memory`, entered by the caller); `on_step` sees the progress (requests ended, offered)."""
 
     def __init__(self, lm: LoadedModel, policy: Policy, settings: RunSettings, prompts: list[Prompt], load: Load,
                  memory: PeakMemory,
@@ -266,6 +271,7 @@ class Service:
         self.unarrived = deque(self.requests)
         self.timeline: list[dict[str, Any]] = []
         self.preemptions = 0
+        policy.prepare(lm)  # start-up: each request's copy then finds what it reads kept per model
         self.clock = _Clock()
 
     def run(self) -> Served:
@@ -281,8 +287,9 @@ class Service:
             self._prefill_chunk()
             if self.running:
                 self._step()
-            elif self.prefilling is None and not self.queue:
-                clock.skip_to(self._next_arrival())
+            elif self.prefilling is None and not self.queue:  # idle up to the next arrival, or the horizon
+                horizon = self.load.horizon_s
+                clock.skip_to(self._next_arrival() if horizon is None else min(self._next_arrival(), horizon))
             ended = sum(r.ended for r in self.requests)
             if self.on_step and ended != told:
                 self.on_step(ended, len(self.requests))
@@ -323,10 +330,15 @@ class Service:
             self.unarrived = deque(sorted(self.unarrived, key=lambda r: r.arrival_s))
 
     def _cut_at_horizon(self) -> None:
+        """What arrived by the horizon and has not ended is rejected; what had not arrived was never offered."""
+        assert self.load.horizon_s is not None
         cut = [*self.running, *([self.prefilling] if self.prefilling else []), *self.queue, *self.unarrived]
         for request in cut:
             request.session, request.prefill = None, None
-            request.rejected = "not ended by the horizon"
+            if request.arrival_s <= self.load.horizon_s:
+                request.rejected = "not ended by the horizon"
+            else:
+                request.offered = False
         self.running, self.prefilling, self.queue, self.unarrived = [], None, deque(), deque()
 
     # --- admission and prefill ---------------------------------------------------------------------------
@@ -442,9 +454,11 @@ def percentiles(values: list[float], name: str) -> dict[str, float | None]:
 
 
 def service_metrics(served: Served, load: Load) -> dict[str, Any]:
-    """A load cell's service columns: what was offered, finished, rejected (by why) and preempted; throughput;
-    TTFT, TPOT, end-to-end latency and queue wait at p50 / p90 / p99; goodput (finished requests per second that
-    met the SLO: every bound given) and SLO attainment; concurrency and pool use over the steps (mean, peak)."""
+    """A load cell's service columns: what was offered (every request that arrived before the horizon), finished,
+    rejected (by why) and preempted; throughput; TTFT, TPOT, end-to-end latency and queue wait at p50 / p90 / p99;
+    goodput (finished requests per second that met the SLO: every bound given) and SLO attainment (their share of the
+    offered); concurrency and pool use over the steps (mean, peak)."""
+    offered = [r for r in served.requests if r.offered]
     finished = [r for r in served.requests if r.finished_s is not None]
     latency = [r.latencies() for r in finished]
     duration = max(served.duration_s, 1e-9)
@@ -461,7 +475,7 @@ def service_metrics(served: Served, load: Load) -> dict[str, Any]:
             rejected[request.rejected] = rejected.get(request.rejected, 0) + 1
     steps = served.timeline
     return {
-        "offered": len(served.requests),
+        "offered": len(offered),
         "finished": len(finished),
         "rejected": sum(rejected.values()),
         "rejected_why": rejected,
@@ -470,7 +484,7 @@ def service_metrics(served: Served, load: Load) -> dict[str, Any]:
         "request_rate": len(finished) / duration,
         "output_tok_s": sum(len(r.tokens) for r in finished) / duration,
         "goodput": met / duration,
-        "slo_attained": met / len(served.requests) if served.requests else None,
+        "slo_attained": met / len(offered) if offered else None,
         **percentiles([row["ttft_s"] for row in latency], "ttft"),
         **percentiles([row["tpot_s"] for row in latency if row["tpot_s"] is not None], "tpot"),
         **percentiles([row["e2e_s"] for row in latency], "e2e"),

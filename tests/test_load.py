@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 import torch
 import yaml
 
+from kvbench import calibrate, models
 from kvbench.cli import app
 from kvbench.generation import Prompt, answer, generate
 from kvbench.joint import step_together
@@ -18,7 +20,7 @@ from kvbench.models import load_model
 from kvbench.policies import POLICIES, build_policy
 from kvbench.policies.base import takes_budget
 from kvbench.results import RunFolder
-from kvbench.serving import Load, Need, Service, need_tokens, service_metrics
+from kvbench.serving import Load, Need, Request, Served, Service, need_tokens, service_metrics
 from kvbench.session import RunSettings, Session
 from kvbench.summary import summarize
 from tests.conftest import random_ids
@@ -200,6 +202,82 @@ def test_a_closed_loop_sends_each_users_next_request_when_the_last_ended(tiny_ll
     for user in (0, 1):
         mine = [r for r in served.requests if r.user == user]
         assert all(later.arrival_s >= earlier.finished_s for earlier, later in zip(mine, mine[1:], strict=False))
+
+
+def test_a_horizon_rejects_what_arrived_and_offers_nothing_that_had_not(tiny_llama):
+    """Open loop: the two requests at 0 are offered (finished, or cut by the horizon); the two arriving after it are
+    not, and the idle service skips only to the horizon. Closed loop: a user's request sent after the horizon is not
+    offered either."""
+    load = Load(requests=4, arrivals=(0.0, 0.0, 50.0, 60.0), horizon_s=5.0, slo_ttft_s=100.0)
+    served = _serve(tiny_llama, "full", _prompts(tiny_llama, 4), load)
+    assert [r.offered for r in served.requests] == [True, True, False, False]
+    assert all(r.finished_s is not None for r in served.requests[:2])
+    metrics = service_metrics(served, load)
+    assert (metrics["offered"], metrics["finished"], metrics["rejected"], metrics["slo_attained"]) == (2, 2, 0, 1.0)
+    assert 5.0 <= served.duration_s < 6.0  # not the next arrival's 50 s
+    closed = Load(requests=6, users=2, horizon_s=0.05)
+    served = _serve(tiny_llama, "full", _prompts(tiny_llama, 6, max_new_tokens=24), closed)
+    metrics = service_metrics(served, closed)
+    assert metrics["offered"] == sum(r.arrival_s <= 0.05 for r in served.requests) < 6
+    assert metrics["finished"] + metrics["rejected"] == metrics["offered"]
+    assert all(r.arrival_s > 0.05 and r.rejected is None for r in served.requests if not r.offered)
+
+
+def _request(index, arrival, admitted=None, first=None, finished=None, tokens=0, rejected=None, offered=True):
+    return Request(index, Prompt([1, 2, 3], [], 8), arrival, admitted_s=admitted, first_token_s=first,
+                   finished_s=finished, tokens=list(range(tokens)), rejected=rejected, offered=offered)
+
+
+def test_service_metrics_on_a_trace_made_by_hand():
+    """TTFT from arrival (queueing in it), TPOT over the tokens after the first, goodput over the wall time,
+    `slo_attained` over what was offered (rejections and timeouts in it, not what arrived after the horizon), and
+    numpy's linear percentiles."""
+    requests = [
+        _request(0, 0.0, admitted=0.0, first=1.0, finished=3.0, tokens=5),  # TTFT 1, TPOT 2/4 = 0.5: good
+        _request(1, 1.0, admitted=2.0, first=3.0, finished=4.5, tokens=3),  # TTFT 2 (1 s queued), TPOT 0.75
+        _request(2, 2.0, admitted=2.5, first=3.5, finished=3.5, tokens=1),  # TTFT 1.5, no TPOT: good
+        _request(3, 3.0, rejected="timed out in the queue"),
+        _request(4, 4.0, rejected="queue full"),
+        _request(5, 5.0, rejected="not ended by the horizon"),
+        _request(6, 12.0, offered=False),  # after the horizon: never offered
+    ]
+    timeline = [{"running": 1, "pool_bytes": 100}, {"running": 3, "pool_bytes": 300}]
+    load = Load(requests=7, rate=1.0, horizon_s=10.0, slo_ttft_s=1.6, slo_tpot_s=0.55)
+    metrics = service_metrics(Served(requests, timeline, 2, 10.0, 1000), load)  # cut at the horizon
+    assert {key: metrics[key] for key in ("offered", "finished", "rejected", "preemptions", "duration_s")} == {
+        "offered": 6, "finished": 3, "rejected": 3, "preemptions": 2, "duration_s": 10.0}
+    assert metrics["rejected_why"] == {"timed out in the queue": 1, "queue full": 1, "not ended by the horizon": 1}
+    assert metrics["goodput"] == 2 / 10 and metrics["slo_attained"] == 2 / 6
+    assert metrics["request_rate"] == 3 / 10 and metrics["output_tok_s"] == 9 / 10
+    expected = {"ttft_p50": 1.5, "ttft_p99": 1.99, "tpot_p50": 0.625, "tpot_p99": 0.7475, "e2e_p50": 3.0,
+                "e2e_p99": 3.49, "queue_p50": 0.5, "queue_p99": 0.99}
+    assert {key: metrics[key] for key in expected} == pytest.approx(expected)
+    assert (metrics["concurrency_mean"], metrics["concurrency_peak"]) == (2.0, 3)
+    assert (metrics["pool_used_mean"], metrics["pool_used_peak"], metrics["pool_bytes"]) == (200.0, 300, 1000)
+
+
+def test_a_calibrated_policy_hashes_and_reads_its_model_once_before_the_clock_starts(tmp_path, monkeypatch):
+    """8 qfilter requests on a random two-layer model with the artifact in its default folder: the model's digest
+    is hashed and the artifact read once, at the service's start-up (before its clock), not once per request; a
+    second cell on the same model does neither."""
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
+    lm = load_model("random:tiny-llama", dtype="float32", device="cpu", seed=7)
+    calibrate.calibrate(lm, "qfilter", "embedded", calibrate.Settings(documents=2, tokens=64, samples=64))
+    models._DIGESTS.clear()  # a new process, the artifact on disk
+    calibrate._READ.clear()
+    hashed, read = [], []
+    hash_weights, read_weights = models.hash_weights, calibrate.read_weights
+    monkeypatch.setattr(models, "hash_weights", lambda *args: hashed.append(time.perf_counter()) or hash_weights(*args))
+    monkeypatch.setattr(calibrate, "read_weights",
+                        lambda folder: read.append(time.perf_counter()) or read_weights(folder))
+    for cell in range(2):
+        with PeakMemory(lm.devices) as memory:
+            service = Service(lm, build_policy("qfilter", {}), RunSettings(budget=16), _prompts(lm, 8),
+                              Load(requests=8, rate=1000.0), memory)
+            served = service.run()
+        assert all(r.finished_s is not None for r in served.requests)
+        assert len(hashed) == 1 and len(read) == 1
+        assert max(hashed + read) < service.clock.start or cell == 1
 
 
 LOAD = {
