@@ -47,14 +47,14 @@ def release_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
-def load_layers(spec: str, layers: int) -> LoadedModel:
-    """`spec` with its first `layers` decoder layers only (0: all)."""
+def load_layers(spec: str, layers: int, **load: str) -> LoadedModel:
+    """`spec` with its first `layers` decoder layers only (0: all); `load`: `load_model`'s device and dtype."""
     shape = spec.removeprefix("random:")
     if layers and spec.startswith("random:") and shape in RANDOM_SHAPES:
         model_type, params = RANDOM_SHAPES[shape]
         RANDOM_SHAPES[shape] = (model_type, {**params, "num_hidden_layers": layers})  # never build the rest
-        return load_model(spec)
-    lm = load_model(spec)
+        return load_model(spec, **load)
+    lm = load_model(spec, **load)
     if layers:  # a Llama/Qwen2-style decoder: drop the later layers
         lm.model.model.layers = lm.model.model.layers[:layers]
         lm.model.config.num_hidden_layers = len(lm.model.model.layers)

@@ -63,10 +63,8 @@ class ReadCounts:
     def count(self, cache: KVCache, layer: LayerKV, selected: torch.Tensor | None) -> None:
         """`layer`'s read at this step: every entry it holds (the new one included), or the `selected` slots
         `[batch, heads or kv_heads, length]` (a KV head loads what any of its query heads reads)."""
-        kv_heads, head_dim = cache.batch_heads_dim[1:]
-        seen = layer.seen - np.asarray(cache.row_padding)  # each row's tokens, the new one included
-        held_by_full = seen if layer.kind.window is None else np.minimum(seen, layer.kind.window)
-        self.full += held_by_full * kv_heads * 2 * head_dim * layer.dtype.itemsize
+        kv_heads = cache.batch_heads_dim[1]
+        self._count_full(cache, layer)
         if selected is not None:
             if selected.shape[1] != kv_heads:
                 selected = selected.view(selected.shape[0], kv_heads, -1, selected.shape[-1]).any(dim=2)
@@ -78,6 +76,19 @@ class ReadCounts:
             self._add_on_device((~padding).sum(dim=(1, 2)) * layer.entry_bytes())
         else:  # one row, or rows that hold alike (compressed storage): a row's share
             self.dense += layer.live_bytes() / len(self.dense)
+
+    def count_held(self, cache: KVCache, layer: LayerKV, held: np.ndarray) -> None:
+        """`layer`'s read at a static step: the entries each head holds `[rows, heads]` (the new one included), as
+        the host counts them."""
+        self._count_full(cache, layer)
+        self.dense += held.sum(axis=1) * layer.entry_bytes()
+
+    def _count_full(self, cache: KVCache, layer: LayerKV) -> None:
+        """What a full cache's layer reads at this step: each row's tokens (a sliding layer's window of them)."""
+        kv_heads, head_dim = cache.batch_heads_dim[1:]
+        seen = layer.seen - np.asarray(cache.row_padding)  # each row's tokens, the new one included
+        held_by_full = seen if layer.kind.window is None else np.minimum(seen, layer.kind.window)
+        self.full += held_by_full * kv_heads * 2 * head_dim * layer.dtype.itemsize
 
     def _add_on_device(self, read: torch.Tensor) -> None:
         self.on_device = read if self.on_device is None else self.on_device + read

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -64,6 +65,19 @@ def kvbench_attention(
         return torch.cat([kvbench_attention(module, query[row : row + 1], keys, values, None, scaling,
                                             **{**kwargs, "kv_observer": cache})[0]
                           for row, (cache, keys, values) in enumerate(rows)]), None
+    if observer is not None and observer.static:  # a decode step on static buffers (kvbench/step.py)
+        layer = observer.layers[module.layer_idx]
+        _check_kind(module, layer.kind, kwargs)
+        if observer.keeps_step_weights:
+            layer.step_weights = query_weights(layer, query, key, scaling)
+        if layer.slots.exact:  # the prefix its entries fill, unmasked: the stock attention, bit for bit
+            attended = sdpa_attention_forward(module, query, key, value, None, scaling=scaling, **kwargs)[0] \
+                if layer.kind.softcap is None else eager_attention(query, key, value, None, scaling, layer.kind.softcap)
+        else:
+            attended = static_attention(query, key, value, layer, scaling)
+        if observer.observing:
+            observer.observe(module.layer_idx, query, key, scaling)
+        return attended, None
     if observer is None:  # a stock cache (slots are positions): transformers' mask is right, only softcap is ours
         kind, padding = LayerKind(softcap=kwargs.get("softcap")), None
     else:
@@ -98,6 +112,82 @@ def kvbench_attention(
             observer.observe(module.layer_idx, query, key, scaling)
         observer.slide(module.layer_idx)
     return output
+
+
+def static_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: LayerKV,
+                     scaling: float) -> torch.Tensor:
+    """A static decode step's attention: each row's one query `[B, heads, 1, D]` over every slot of the step
+    (`key`, `value` `[B, kv_heads, n, D]`), the free ones and those outside a sliding window masked. Each KV head's
+    query heads are stacked as its queries, so the keys are read once, in place, by torch's own kernel. Returns
+    `[B, 1, heads, D]`, as transformers' attention functions do."""
+    batch, heads, _, dim = query.shape
+    stacked = query.reshape(batch, key.shape[1], heads // key.shape[1], dim)
+    visible = step_visible(layer)[:, :, None, :]
+    if layer.kind.softcap is not None:  # logits in the model dtype, as the model's own eager attention
+        output = eager_attention(stacked, key, value, visible.expand(-1, -1, stacked.shape[2], -1), scaling,
+                                 layer.kind.softcap).transpose(1, 2)
+    else:
+        output = F.scaled_dot_product_attention(stacked, key, value, attn_mask=visible, scale=scaling)
+    return output.reshape(batch, 1, heads, value.shape[-1])
+
+
+def _step_weights(stacked: torch.Tensor, key: torch.Tensor, visible: torch.Tensor | None, scaling: float,
+                  softcap: float | None) -> torch.Tensor:
+    """Softmax weights `[B, kv_heads, group, n]` in float32 of the stacked queries `[B, kv_heads, group, D]`."""
+    logits = torch.matmul(float32(stacked), float32(key).transpose(-1, -2)).mul(scaling)
+    if softcap is not None:
+        logits = logits.div(softcap).tanh().mul(softcap)
+    return (logits if visible is None else torch.where(visible, logits, float("-inf"))).softmax(dim=-1)
+
+
+def float32(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in float32, with no op dispatched when it already is."""
+    return tensor if tensor.dtype == torch.float32 else tensor.float()
+
+
+def step_visible(layer: LayerKV) -> torch.Tensor:
+    """`[B, kv_heads, n]`: the slots a static step's query sees, its free ones not, nor on a sliding layer those it
+    left behind."""
+    padding, position = layer.padding(), layer.owner.position
+    assert padding is not None and position is not None, "a static step marks its free slots"
+    visible = ~padding
+    if layer.kind.window is not None:
+        visible = visible & (layer.live_positions() > position - layer.kind.window)
+    return visible
+
+
+def query_visible(layer: LayerKV) -> torch.Tensor:
+    """`[B, kv_heads, n]`: the slots the newest query sees (the last of the slots, on the dynamic layout)."""
+    if layer.static is not None:
+        return step_visible(layer)
+    positions = layer.live_positions()
+    padding = layer.padding()
+    visible = torch.ones_like(positions, dtype=torch.bool) if padding is None else ~padding
+    if layer.kind.window is not None:
+        visible = visible & window_visible(positions, positions[..., -1:], layer.kind.window)[..., 0, :]
+    return visible
+
+
+def query_weights(layer: LayerKV, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The newest query's attention weights `[B, kv_heads, group, n]` (float32) over `key` `[B, kv_heads, n, D]`:
+    each of a KV head's query heads over the slots it sees, as `attention_probs` gives them; a static step's are
+    its attention's own."""
+    if layer.step_weights is not None:
+        return layer.step_weights
+    if layer.static is not None:
+        stacked = query.reshape(key.shape[0], key.shape[1], -1, query.shape[-1])
+        visible = None if layer.static.exact else step_visible(layer)[:, :, None, :]
+        return _step_weights(stacked, key, visible, scaling, layer.kind.softcap)
+    (_, probs), = attention_probs(query[:, :, -1:], key, scaling, layer.padding(), layer.kind, layer.live_positions())
+    return probs[:, :, :, 0]
+
+
+def received_by(layer: LayerKV, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """`attention_received` over `layer`'s slots: `[B, kv_heads, n]` the attention each slot received from the
+    queries (those of a static step: its one query)."""
+    if layer.static is not None:
+        return query_weights(layer, query, key, scaling).mean(dim=2)
+    return attention_received(query, key, scaling, layer.padding(), layer.kind, layer.live_positions())
 
 
 def _check_kind(module: torch.nn.Module, kind: LayerKind, kwargs: dict) -> None:

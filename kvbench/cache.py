@@ -18,7 +18,7 @@ import weakref
 from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from transformers.cache_utils import Cache
@@ -30,6 +30,7 @@ from kvbench.eviction import Decision, decide
 from kvbench.layer import PADDING, LayerKV
 from kvbench.measure import synchronize
 from kvbench.rows import RowAccounts
+from kvbench.step import Append, EvictEvery, SlotRule, enter, leave, rule_for, same_rule
 
 if TYPE_CHECKING:
     from kvbench.budgets import Threshold
@@ -81,6 +82,18 @@ def _folds(policy: Policy) -> bool:
     stages = getattr(policy, "_stages", ())
     return any(map(_folds, stages)) if stages else type(policy).fold is not Policy.fold
 
+def step_blocker(policy: Policy) -> str | None:
+    """Why `policy`'s decode steps run on the dynamic layout rather than on static buffers (kvbench/step.py), in a
+    few words; None: they step on static buffers, eager or compiled (`kvbench policies` lists it)."""
+    if policy.schedule.when == "read":
+        return "a sparse policy's reads are chosen on the dynamic layout"
+    if policy.layout() is not None:
+        return "compressed storage"
+    if _folds(policy):
+        return "merging writes evicted entries into kept ones"
+    return policy.static_blocker()
+
+
 class KVCache(Cache):
     """The cache handed to the model: one `LayerKV` per layer of a `[batch, kv_heads, head_dim]` shape, compressed by
     `policy` as `settings` say. A batch (`left_padding` `[batch]`, padding tokens in front of each row) keeps each
@@ -117,6 +130,13 @@ class KVCache(Cache):
         self.evictions = 0
         self.peak_bytes = 0
         self.reads = ReadCounts(batch_heads_dim[0])
+        # while decoding on static buffers (kvbench/step.py): the position `[batch, 1, 1]` of the token being fed,
+        # and the one after it (`LayerKV.next_position`), on the device
+        self.static = False
+        self.position: torch.Tensor | None = None
+        self.fed: torch.Tensor | None = None
+        # a decode-time policy that observes scores by each step's attention: the static step keeps its weights
+        self.keeps_step_weights = self.observing and policy.schedule.decodes
         self.folds = _folds(policy)
         layout = policy.layout()  # compressed storage, or None: plain slots in the model dtype
         self._check(layout)
@@ -221,7 +241,7 @@ class KVCache(Cache):
         try:
             self._observe(layer_idx, query, key, scaling)
         finally:  # held for this forward's observers only, never longer
-            self.layers[layer_idx].attention_input = None
+            self.layers[layer_idx].attention_input = self.layers[layer_idx].step_weights = None
 
     def _observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
         if not self.times_observers:
@@ -261,8 +281,8 @@ class KVCache(Cache):
 
     def compress(self) -> None:
         """Evict down to the budget (kvbench/eviction.py decides what stays): after each prefill chunk, and while
-        decoding once `evict_every` tokens arrived beyond it."""
-        if self.budget is None or not self._threshold_due():
+        decoding once `evict_every` tokens arrived beyond it. A static step's rules evict on their own."""
+        if self.static or self.budget is None or not self._threshold_due():
             return
         assert self.layer_budgets is not None
         slack = 1 if self.phase is Phase.PREFILL else self.evict_every
@@ -303,8 +323,123 @@ class KVCache(Cache):
             self.evictions += self.rows.count_evictions(decision.due, decision.dropped)
             self.rows.kept(self, layer.layer_idx, decision.due, decision.held)
 
+    # --- the static decode step (kvbench/step.py) ---------------------------------------------
+    def static_blocker(self, compiled: bool = False) -> str | None:
+        """Why this cache's decode steps run on the dynamic layout (`compiled`: or eager rather than compiled), in
+        a few words; None: they step on static buffers."""
+        if self.threshold is not None:
+            return "a threshold keeps counts only the device knows"
+        if self.times_observers and compiled:
+            return "it times the statistics it gathers for other policies"
+        return step_blocker(self.policy)
+
+    def prepare_step(self, compiled: bool = False) -> bool:
+        """Before a decode step's forward (one token per row): step on static buffers if this cache can (laying
+        them out once), and count the token on the host. False: the step runs on the dynamic layout. A `compiled`
+        step reads every slot of each layer's width (`StaticSlots.exact`)."""
+        if self.static and not self._static_still_fits(compiled):
+            self.leave_static()
+        if not self.static:
+            if self.static_blocker(compiled) is not None or not all(layer.allocated for layer in self.layers):
+                return False
+            rules = [rule_for(self, layer) for layer in self.layers]
+            for layer, rule in zip(self.layers, rules, strict=True):
+                if rule.bound is not None and layer.length >= rule.width(layer):
+                    return False  # it holds more than its rule keeps (adaptive's switch): compressed first
+                if rule.width(layer) > layer.capacity and layer.length < layer.capacity:
+                    return False  # its buffer grows to the width only once the slots it has are full
+            self._enter_static(rules, compiled)
+        for layer in self.layers:
+            static = layer.slots
+            layer.seen += 1
+            if static.exact:
+                layer.length = static.plan()
+            plan = getattr(static.rule, "plan", None)
+            if plan is not None:
+                plan(static.held)
+        return True
+
+    def _static_still_fits(self, compiled: bool) -> bool:
+        """Whether each layer's rule is still what bounds it (adaptive switches at its limit), an appending layer's
+        buffer has a slot left, and the layers were laid out for this kind of step."""
+        for layer in self.layers:
+            static = layer.slots
+            if not same_rule(static.rule, rule_for(self, layer)) or (compiled and static.exact):
+                return False
+            if isinstance(static.rule, Append) and static.length + static.steps >= static.width:
+                return False
+        return True
+
+    def _enter_static(self, rules: list[SlotRule], compiled: bool) -> None:
+        for layer, rule in zip(self.layers, rules, strict=True):
+            if layer.length >= layer.capacity:  # the token this step adds does not fit: as `LayerKV._append` grows
+                layer._reallocate(self.capacity_for(layer.length + 1, layer.layer_idx))
+            enter(layer, rule, exact=not compiled)
+        seen = self.layers[0].seen
+        device = self.layers[0].device
+        pad = torch.zeros(self.batch_heads_dim[0], dtype=torch.long) if self.left_padding is None \
+            else self.left_padding.to(torch.long)
+        self.fed = (seen - pad).to(device)[:, None, None]
+        self.position = self.fed - 1
+        self.static = True
+
+    @torch.inference_mode()
+    def leave_static(self) -> None:
+        """Back to the dynamic layout (a no-op unless static): before a forward of several tokens, a probe, or what
+        reads the cache's slots."""
+        if not self.static:
+            return
+        for layer in self.layers:
+            leave(layer)
+        self.static, self.position, self.fed = False, None, None
+
+    def open_step(self) -> None:
+        """A static step's first device work: the position of its token (on the device, in place)."""
+        assert self.position is not None and self.fed is not None
+        self.position.add_(1)
+        self.fed.add_(1)
+
+    def close_step(self) -> None:
+        """A static step's last device work: each layer's rule chooses the slot of the next token."""
+        for layer in self.layers:
+            layer.slots.rule.next_slot(self, layer)
+
+    def account_step(self) -> None:
+        """After a static step, on the host: what each head of each layer holds, the evictions, the rows' accounts
+        and the bytes read, by the layers' rules (as `compress` and `LayerKV._append` count them)."""
+        self.reads.steps += 1
+        heads = self.batch_heads_dim[1]
+        for layer in self.layers:
+            static, index = layer.slots, layer.layer_idx
+            held = static.held + 1  # every row's token is its own in the decode phase
+            if self.rows is not None:
+                self.rows.appended(self, index, layer.seen - 1, 1, heads * layer.entry_bytes())
+            self.reads.count_held(self, layer, held)
+            layer.max_held = max(layer.max_held, int(held.max()))
+            after, dropped = static.rule.account(held)
+            due = dropped > 0
+            if not static.rule.counted:
+                if self.rows is not None:
+                    self.rows.slid(self, index, cast(int, layer.kind.window))
+            elif self.rows is None:
+                self.evictions += int(dropped.sum())
+            elif due.any():
+                self.evictions += self.rows.count_evictions(due, dropped)
+                self.rows.kept(self, index, due, after)
+            static.held, static.steps = after, static.steps + 1
+            if isinstance(static.rule, EvictEvery) and due.any() and static.exact:
+                static.exact, layer.length = False, static.width  # the freed slots are holes: masked from now on
+            if due.any():  # as an eviction gives back what a long prompt needed (`LayerKV.evict`)
+                target = self.capacity_for(int(after.max()), index)
+                if layer.capacity >= 2 * target:
+                    layer._reallocate(target)
+        if any(not same_rule(layer.slots.rule, rule_for(self, layer)) for layer in self.layers):
+            self.leave_static()  # a policy bounds a layer now (adaptive at its limit): it compresses at once
+            self.compress()
+
     def layer_ratios(self) -> list[float]:
         """Each layer's entries held over what a full cache holds there (a threshold cell's record)."""
+        self.leave_static()
         return layer_ratios(self)
 
     def row_stats(self, row: int) -> CacheStats:
@@ -318,4 +453,5 @@ class KVCache(Cache):
         return sum(layer.live_bytes() for layer in self.layers if layer.is_initialized)
 
     def stats(self) -> CacheStats:
+        self.leave_static()  # the slots a layer holds, on the layout the accounts read
         return cache_stats(self)

@@ -198,6 +198,8 @@ class SweepConfig(Strict):
     max_new_tokens: int | None = Field(None, gt=0)
     # samples of a cell decoded together (left-padded): changes how fast, never what a record says
     batch_size: int = Field(1, gt=0)
+    # decode steps compiled into one graph (CUDA graphs on a GPU): changes how fast, not what a record says
+    compile: bool = False
     timing: TimingConfig | None = None
     # per-sample diagnostics: `fidelity` runs a full cache in lockstep and records how far the policy's is from it
     diagnostics: list[Literal["fidelity"]] = []
@@ -360,7 +362,8 @@ class SweepConfig(Strict):
 
     def result_hash(self) -> str:
         """Identifies everything that changes results (not where they are written or on which device)."""
-        relevant = self.model_dump(exclude={"output", "name", "model", "models", "dtypes", "plugins", "batch_size"})
+        relevant = self.model_dump(exclude={"output", "name", "model", "models", "dtypes", "plugins", "batch_size",
+                                            "compile"})
         grid = [model.identity() for model in self.model_grid()]
         # one model hashes as `model:` did before `models:`/`dtypes:` existed, so its baselines stay valid
         if len(grid) == 1:

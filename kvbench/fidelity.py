@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvbench.attention import attention_probs
+from kvbench.attention import query_weights
 from kvbench.policies.base import Policy, Schedule
 
 
@@ -35,12 +35,9 @@ class AttentionRecorder(Policy):
     last: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict, init=False)
 
     def observe(self, layer, query, key, scaling, phase) -> None:
-        (_, probs), = attention_probs(query[:, :, -1:], key, scaling, layer.padding(), layer.kind,
-                                       layer.live_positions())  # [B, kv, group, 1, n]
-        held = layer.live_positions()
-        if layer.padding() is not None:
-            held = held.masked_fill(layer.padding(), -1)
-        self.last[layer.layer_idx] = (probs[:, :, :, 0].mean(dim=2), held.clone())
+        padding = layer.padding()  # the slots the query saw: a static step's write slot holds its new entry
+        held = layer.live_positions() if padding is None else layer.live_positions().masked_fill(padding, -1)
+        self.last[layer.layer_idx] = (query_weights(layer, query, key, scaling).mean(dim=2), held.clone())
 
 
 class Follower:
@@ -84,7 +81,7 @@ def _recall(full: dict[int, tuple[torch.Tensor, torch.Tensor]],
         held = kept[layer][1]  # [B, kv, m] positions the policy's query saw, -1 where a head holds nothing
         mass = torch.zeros_like(probs)  # by position: the full cache's slots are in position order
         mass.scatter_(-1, positions, probs)
-        hit = torch.zeros_like(probs, dtype=torch.bool)
-        hit.scatter_(-1, held.clamp(min=0), held >= 0)
+        hit = torch.zeros_like(probs, dtype=torch.uint8)  # a slot holding nothing marks no position
+        hit = hit.scatter_reduce(-1, held.clamp(min=0), (held >= 0).to(torch.uint8), reduce="amax").bool()
         out.append(float((mass * hit).sum(-1).mean()))
     return out

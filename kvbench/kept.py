@@ -37,12 +37,10 @@ def kept_masks(cache: KVCache) -> list[torch.Tensor]:
     """Per layer, a `[kv_heads, seen]` mask of the positions the cache physically holds (the first row's)."""
     masks = []
     for layer in cache.layers:
-        positions = layer.live_positions()[0].cpu()
-        mask = torch.zeros(positions.shape[0], layer.seen, dtype=torch.bool)
-        padding = layer.padding()
-        held = torch.ones_like(positions, dtype=torch.bool) if padding is None else ~padding[0].cpu()
-        mask.scatter_(1, positions, held)
-        masks.append(mask)
+        positions = layer.live_positions()[0].cpu().clamp(0, layer.seen - 1)  # a free slot's may be anything
+        held = layer.held_slots()[0].cpu().to(torch.uint8)
+        mask = torch.zeros(positions.shape[0], layer.seen, dtype=torch.uint8)
+        masks.append(mask.scatter_reduce_(1, positions, held, reduce="amax").bool())
     return masks
 
 

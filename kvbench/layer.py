@@ -20,6 +20,7 @@ import copy
 import weakref
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -28,6 +29,7 @@ from kvbench.rows import rows_of
 
 if TYPE_CHECKING:
     from kvbench.cache import KVCache
+    from kvbench.step import StaticSlots
 
 # the positions of a layer before its buffers are allocated (no slot yet)
 UNALLOCATED = torch.empty(0, dtype=torch.long)
@@ -66,15 +68,26 @@ class LayerKV(CacheLayerMixin):
         # the new tokens' hidden states at the attention's input `[batch, new, hidden]`, while the observers run, for
         # a policy that asked for them (`attention.record_attention_inputs`); None otherwise
         self.attention_input: torch.Tensor | None = None
+        # a static decode step's attention weights `[batch, kv_heads, group, slots]` (float32), while the observers
+        # run, where a policy scores by them (`attention.query_weights`); None otherwise
+        self.step_weights: torch.Tensor | None = None
         # the buffers are a shared prefill's (see `borrow`): read in place, never written; the first write moves
         # what this layer keeps into buffers of its own
         self.borrowed = False
+        # while the cache decodes on buffers that never move (kvbench/step.py): the rule, write slot and counts
+        self.static: StaticSlots | None = None
 
     @property
     def owner(self) -> KVCache:
         owner = self._owner()
         assert owner is not None, "a layer is used only while its cache lives"
         return owner
+
+    @property
+    def slots(self) -> StaticSlots:
+        """This layer's state in a static decode step (kvbench/step.py), which it is in."""
+        assert self.static is not None, "a layer stepping on static buffers"
+        return self.static
 
     @property
     def allocated(self) -> bool:
@@ -91,6 +104,8 @@ class LayerKV(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.static is not None:
+            return self._write(key_states, value_states)
         start = self._append(key_states.shape[-2])
         self.keys[:, :, start : self.length] = key_states
         self.values[:, :, start : self.length] = value_states
@@ -117,6 +132,44 @@ class LayerKV(CacheLayerMixin):
         self.length, self.seen = end, self.seen + new
         self.max_held = max(self.max_held, end)
         return start
+
+    def _write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A static decode step's token `[batch, kv_heads, 1, head_dim]` into each head's write slot (a free one),
+        its statistics zeroed and its slot no longer free; the attention reads every slot of the step's width."""
+        assert self.static is not None
+        slot = self.static.write[..., None]  # [batch, kv_heads, 1]
+        entry = slot[..., None].expand(*slot.shape, key_states.shape[-1])
+        self.keys.scatter_(2, entry, key_states)
+        self.values.scatter_(2, entry, value_states)
+        position = self.owner.position
+        assert position is not None, "a static step knows its token's position"
+        self.positions.scatter_(2, slot, position.expand_as(slot))
+        for stat in self.slot_stats.values():
+            stat.scatter_(2, slot if stat.dim() == 3 else slot[..., None].expand(*slot.shape, stat.shape[3]), 0)
+        return self.live(self.keys), self.live(self.values)
+
+    def live(self, buffer: torch.Tensor) -> torch.Tensor:
+        """A buffer's first `length` slots: the buffer itself when it has no more (a static step's usual case, where
+        a slice is one more op dispatched)."""
+        return buffer if buffer.shape[2] == self.length else buffer[:, :, : self.length]
+
+    def reorder(self, order: torch.Tensor) -> None:
+        """Move the first `order.shape[-1]` slots of every buffer into the order `order` `[batch, heads, n]` gives."""
+        width = order.shape[-1]
+        for buffer in self._buffers():
+            buffer[:, :, :width] = gather_slots(buffer[:, :, :width], order)
+
+    def held_counts(self) -> np.ndarray:
+        """`[batch, kv_heads]` the entries each head holds (the host's count where it has one)."""
+        owner = self.owner
+        if self.static is not None:
+            return self.static.held
+        if owner.rows is not None:
+            return owner.rows.held[self.layer_idx].copy()
+        padding = self.padding()
+        if padding is None:
+            return np.full(owner.batch_heads_dim[:2], self.length)
+        return (~padding).sum(dim=-1).cpu().numpy()
 
     def get_seq_length(self) -> int:
         return self.length
@@ -203,10 +256,10 @@ class LayerKV(CacheLayerMixin):
         return 0 if self.keys is None else self.keys.shape[-2]
 
     def live_keys(self) -> torch.Tensor:
-        return self.keys[:, :, : self.length]
+        return self.live(self.keys)
 
     def live_values(self) -> torch.Tensor:
-        return self.values[:, :, : self.length]
+        return self.live(self.values)
 
     def entry_bytes(self) -> int:
         """Bytes of one slot of one KV head (its key and value)."""
@@ -222,10 +275,14 @@ class LayerKV(CacheLayerMixin):
         return self.live_entries() * self.entry_bytes()
 
     def live_positions(self) -> torch.Tensor:
-        return self.positions[:, :, : self.length]
+        return self.live(self.positions)
 
     def next_position(self) -> int | torch.Tensor:
-        """The position the next token takes: `seen`, or per row `[batch, 1, 1]` in a left-padded batch."""
+        """The position the next token takes: `seen`, or per row `[batch, 1, 1]` in a left-padded batch (on the
+        device while the cache steps statically: the host's counts are not read in a step)."""
+        if self.static is not None:
+            assert self.owner.fed is not None
+            return self.owner.fed
         pad = self.owner.left_padding
         return self.seen if pad is None else self.seen - pad.to(self.device)[:, None, None]
 
@@ -234,12 +291,23 @@ class LayerKV(CacheLayerMixin):
         if name not in self.slot_stats:
             shape = self.positions.shape + ((width,) if width else ())
             self.slot_stats[name] = torch.zeros(shape, dtype=dtype, device=self.device)
-        return self.slot_stats[name][:, :, : self.length]
+        return self.live(self.slot_stats[name])
+
+    def held_slots(self) -> torch.Tensor:
+        """`[batch, kv_heads, length]`, True on the slots that hold an entry (between the steps of a static decode, a
+        head's write slot holds none: it is free, or its entry was evicted)."""
+        if self.static is not None:
+            free = self.slot_stats[PADDING][:, :, : self.static.width]
+            if self.static.rule.bound is not None:  # a bounded rule's write slot may hold an evicted entry
+                free = free.scatter(2, self.static.write[..., None], True)
+            return ~free[:, :, : self.length]  # an exact step reads a prefix of the width
+        padding = self.padding()
+        return torch.ones_like(self.live_positions(), dtype=torch.bool) if padding is None else ~padding
 
     def padding(self) -> torch.Tensor | None:
         """`[batch, kv_heads, length]`, True on slots a head does not hold, once heads hold uneven counts."""
         stat = self.slot_stats.get(PADDING)
-        return None if stat is None else stat[:, :, : self.length]
+        return None if stat is None else self.live(stat)
 
     def full_entries(self) -> int:
         """Entries per KV head a stock cache would hold here: every token of a full layer, the last window - 1 of
@@ -250,6 +318,8 @@ class LayerKV(CacheLayerMixin):
         """Entries held over all heads (padding slots excluded)."""
         if not self.allocated:  # initialized, buffers not allocated yet
             return 0
+        if self.static is not None:
+            return int(self.static.held.sum())
         padding = self.padding()
         held = self.positions.shape[0] * self.positions.shape[1] * self.length
         return held - (0 if padding is None else int(padding.sum()))
@@ -283,8 +353,8 @@ class LayerKV(CacheLayerMixin):
     def slide(self) -> None:
         """On a sliding layer, drop what no later query can see: beyond `window - 1` entries per head, the oldest
         (padding slots first). Those are all out of the window, and their count needs nothing from the device."""
-        if self.kind.window is None or self.length < self.kind.window:
-            return
+        if self.kind.window is None or self.length < self.kind.window or self.static is not None:
+            return  # a static step's rule drops what left the window
         age = self.live_positions()
         padding = self.padding()
         if padding is not None:
@@ -317,10 +387,12 @@ class LayerKV(CacheLayerMixin):
             for name, stat in self.slot_stats.items()
         }
         self.borrowed = False
+        # a static layer's slots past an exact step's prefix are its: free, or written by the steps to come
+        kept = self.length if self.static is None else self.static.width
         if old is not None:
             for src, dst in zip(old, self._buffers(), strict=True):
                 if order is None:
-                    dst[:, :, : self.length] = src[:, :, : self.length]
+                    dst[:, :, :kept] = src[:, :, :kept]
                 else:
                     dst[:, :, : order.shape[-1]] = gather_slots(src[:, :, : self.length], order)
         if order is not None:

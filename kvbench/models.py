@@ -86,6 +86,11 @@ RANDOM_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                                  max_position_embeddings=8192)),
+    # Llama-3-8B's attention (its heads, KV heads and head_dim, the 32k context of its long variants) on a small MLP
+    # and vocabulary: what a decode step spends on the cache, at the real shape, on a CPU (benchmarks/decode_step.py)
+    "llama-3-8b-heads": ("llama", dict(hidden_size=4096, intermediate_size=1024, num_hidden_layers=32,
+                                       num_attention_heads=32, num_key_value_heads=8, vocab_size=4096,
+                                       max_position_embeddings=131072, rope_theta=500000.0)),
     "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                                  num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                                  max_position_embeddings=32768)),
@@ -149,6 +154,8 @@ class LoadedModel:
     # transformers renamed the cache argument within 5.x; pass whichever forward() accepts
     cache_arg: str
     takes_cache_position: bool
+    # decode steps compiled (`--compile`): a static step runs as one torch.compile'd graph (kvbench/session.py)
+    compile: bool = False
 
     @functools.cached_property
     def devices(self) -> list[torch.device]:
@@ -208,6 +215,7 @@ class LoadedModel:
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
             "parameters": sum(p.numel() for p in self.model.parameters()),
+            **({"compiled": True} if self.compile else {}),  # said only when set: eager records stay as they were
         }
 
 
@@ -340,8 +348,9 @@ def hash_weights(lm: LoadedModel, weights: list[tuple[str, torch.nn.Parameter]],
 
 
 def load_model(spec: str, dtype: str = "auto", device: str = "auto", device_map: str | None = None,
-               seed: int = 0) -> LoadedModel:
-    """Load `spec` (see module docstring) ready for kvbench's runner."""
+               seed: int = 0, compile: bool = False) -> LoadedModel:
+    """Load `spec` (see module docstring) ready for kvbench's runner; with `compile`, its static decode steps run
+    compiled (`LoadedModel.compile`)."""
     attention.register()
     target = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, target)
@@ -377,6 +386,7 @@ def load_model(spec: str, dtype: str = "auto", device: str = "auto", device_map:
         dtype=torch_dtype,
         cache_arg="cache" if "cache" in forward_params else "past_key_values",
         takes_cache_position="cache_position" in forward_params,
+        compile=compile,
     )
 
 

@@ -43,8 +43,7 @@ def kept_segments(cache: KVCache, segments: tuple[Segment, ...]) -> list[dict[st
         if kind.window is not None and kind.window <= layer.seen:
             continue
         positions = layer.live_positions()[0].cpu()
-        padding = layer.padding()
-        held = torch.ones_like(positions, dtype=torch.bool) if padding is None else ~padding[0].cpu()
+        held = layer.held_slots()[0].cpu()
         counts.append(((positions >= starts) & (positions < ends) & held).sum(-1))  # [segments, kv_heads]
     if not counts:
         return []

@@ -151,6 +151,7 @@ class Session:
         `decode_tok_s`: the batch's throughput; the memory peaks: the batch's). Without `row`, the whole batch."""
         if self.memory is None:
             raise RuntimeError("measurements() needs the session to have run inside `with session:`")
+        self.cache.leave_static()  # the records read the dynamic layout
         schedule = self.policy.schedule
         # before any decode step, a decode-time budget has bounded the prompt only, and a sparse one nothing
         scope = schedule.when if self.decoded else ("prefill" if schedule.evicts else "none")
@@ -242,21 +243,32 @@ class Session:
         """One decode step: feed one token per row (`[rows]`), evict as a decode-time policy must; returns the
         next token's logits `[rows, vocab]`."""
         ids = self._inputs([int(token)] if isinstance(token, int) else token.reshape(self.rows, 1))
-        self.begin_step()
         clock = Stopwatch(self.lm.devices)
-        logits = self._forward(ids)[:, -1]
-        self.end_step(logits)
+        self._enter(Phase.DECODE)
+        if self.cache.prepare_step(compiled=self.lm.compile):
+            logits = (compiled_step(self.lm.device) if self.lm.compile else static_step)(self.lm, self.cache, ids)
+            self.cache.account_step()
+            self.logits = logits
+        else:
+            logits = self._forward(ids)[:, -1]
+            self.end_step(logits)
         self.step_s.append(clock.lap())
         return logits
 
     def begin_step(self) -> None:
         """Before a decode step's forward (this session's own, or a joint step of several: kvbench/joint.py)."""
         self._enter(Phase.DECODE)
+        if self.cache.prepare_step():  # a joint step runs eager (kvbench/joint.py)
+            self.cache.open_step()
 
     def end_step(self, logits: torch.Tensor) -> None:
         """After a decode step's forward: its prediction `[rows, vocab]`, and a decode-time policy's eviction."""
         self.logits = logits
-        self._compress()
+        if self.cache.static:
+            self.cache.close_step()
+            self.cache.account_step()
+        else:
+            self._compress()
 
     @torch.inference_mode()
     def decode(self, max_new_tokens: int | Sequence[int], eos: set[int],
@@ -384,6 +396,7 @@ class Session:
     def _forward(self, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """Feed `ids` `[rows, n]` after what the cache has seen; the logits `[rows, n, vocab]` of every
         position with `all_logits`, else of the last one only (`[rows, 1, vocab]`)."""
+        self.cache.leave_static()
         cache, lm, seen = self.cache, self.lm, self.seen
         positions = torch.arange(seen, seen + ids.shape[1], device=lm.device)[None]
         if cache.left_padding is not None:  # each row counts from its first real token; padding sits at 0
@@ -405,6 +418,32 @@ class Session:
         seen = self.seen
         self.row_tokens_fed = [fed + max(0, seen + new - pad) - max(0, seen - pad)
                                for fed, pad in zip(self.row_tokens_fed, self.cache.row_padding, strict=True)]
+
+
+def static_step(lm: LoadedModel, cache: KVCache, ids: torch.Tensor) -> torch.Tensor:
+    """A decode step on static buffers (kvbench/step.py): its device work only, the same work every step, which is
+    what `--compile` compiles to one graph. The ids `[rows, 1]` in, the next token's logits `[rows, vocab]` out."""
+    cache.open_step()
+    assert cache.position is not None
+    logits = forward(lm, cache, ids, cache.position[:, :, 0], cache.layers[0].length)[:, -1]
+    cache.close_step()
+    return logits
+
+
+_COMPILED: dict[str, Callable[[LoadedModel, KVCache, torch.Tensor], torch.Tensor]] = {}
+
+
+def compiled_step(device: torch.device) -> Callable[[LoadedModel, KVCache, torch.Tensor], torch.Tensor]:
+    """`static_step` compiled whole (`fullgraph`), once per process and device type: a session of another model
+    or shape adds a graph, not a compiler. On CUDA the graph replays as CUDA graphs (`reduce-overhead`)."""
+    if device.type not in _COMPILED:
+        # one graph per policy, budget and context a process runs (a sweep's cells): never fall back to eager
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 1024)
+        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
+                                                              4096)
+        mode = "reduce-overhead" if device.type == "cuda" else None
+        _COMPILED[device.type] = torch.compile(static_step, fullgraph=True, dynamic=False, mode=mode)
+    return _COMPILED[device.type]
 
 
 def forward(lm: LoadedModel, cache: Cache, ids: torch.Tensor, positions: torch.Tensor, length: int,

@@ -60,6 +60,7 @@ class ModelLoader:
     def __init__(self, config: SweepConfig) -> None:
         self._configs = {(model.id, model.dtype): model for model in config.model_grid()}
         self._seed = config.seed
+        self._compile = config.compile
         self.batch_size = config.batch_size
         self._held: tuple[tuple[str, str], LoadedModel] | None = None
 
@@ -69,7 +70,7 @@ class ModelLoader:
             self.free()
             spec = self._configs[model]
             self._held = model, load_model(spec.id, dtype=spec.dtype, device=spec.device,
-                                           device_map=spec.device_map, seed=self._seed)
+                                           device_map=spec.device_map, seed=self._seed, compile=self._compile)
         return self._held[1]
 
     @property

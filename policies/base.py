@@ -19,6 +19,7 @@ kvbench/attention.py and counts the bytes read).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
@@ -82,6 +83,8 @@ class Policy:
     # the kept entries stored compressed: a storage policy's name, or {name: {params}}
     storage: str | dict[str, Any] | None = dataclasses.field(default=None, kw_only=True)
 
+    # why this policy's decode steps cannot run on static buffers yet (kvbench/step.py), in a few words; None: they can
+    eager_only: ClassVar[str | None] = None
     # set on a plugin class that still validates in `check_budget` or `check_settings`
     _legacy_checks: ClassVar[bool] = False
 
@@ -115,6 +118,19 @@ class Policy:
         """What a plain loop written from the paper keeps (kvbench/reference.py) after `prompt` and each `decode`
         token under `budget`; a policy whose class itself defines it is one `kvbench check` holds to it."""
         raise NotImplementedError(f"policy '{self.name}' has no plain-loop reference")
+
+    @property
+    def ring(self) -> int | None:
+        """For a policy that evicts the oldest entry beyond its first ones (a window, StreamingLLM's sinks): how many
+        first ones it keeps, so that its decode step writes around a ring (kvbench/step.py); None: it scores."""
+        return None
+
+    def static_blocker(self) -> str | None:
+        """Why this policy's decode steps run on the dynamic layout rather than on static buffers (kvbench/step.py),
+        in a few words; None: they step on static buffers."""
+        if self.schedule.decodes and type(self).select is not Policy.select:
+            return "it picks a kept set of any size per head while decoding"
+        return self.eager_only
 
     @property
     def kind(self) -> str:
@@ -239,9 +255,10 @@ class Policy:
         """A list hook's answer from this policy's storage (ThinK observes the prompt's queries), [] without one."""
         return [] if self._storage is None else getattr(self._storage, hook_name)()
 
-    @property
+    @functools.cached_property
     def state_key(self) -> str:
-        """Names this instance's per-slot statistics, so several policies can observe one shared prefill."""
+        """Names this instance's per-slot statistics, so several policies can observe one shared prefill (worked
+        out once: a compiled step reads it as a constant)."""
         return repr(sorted(self.describe().items()))
 
 
@@ -294,6 +311,11 @@ class Wrapper(Policy):
     def stage(self, cache: KVCache) -> Policy:
         """The stage in charge of `cache` now (by default the first)."""
         return self._stages[0]
+
+    def static_blocker(self) -> str | None:
+        if self.schedule.decodes and "select" in self.decides:
+            return "it picks a kept set of any size per head while decoding"
+        return self.eager_only or next(filter(None, (stage.static_blocker() for stage in self._stages)), None)
 
     def check(self, demand: Demand) -> None:
         super().check(demand)

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.attention import attention_received
+from kvbench.attention import received_by
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import Policy, protect, recent_mask, register
 from kvbench.reference import Reference, h2o_reference
@@ -28,8 +28,7 @@ class H2O(Policy):
 
     def observe(self, layer, query, key, scaling, phase) -> None:
         # every query's attention counts, the prompt's included; scores leave with evicted entries
-        layer.slot_stat(self.state_key).add_(attention_received(query, key, scaling, layer.padding(), layer.kind,
-                                                                 layer.live_positions()))
+        layer.slot_stat(self.state_key).add_(received_by(layer, query, key, scaling))
 
     def score(self, layer, budget: int) -> torch.Tensor:
         recent = round(budget * self.recent_ratio)

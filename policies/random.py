@@ -14,6 +14,7 @@ class Random(Policy):
 
     name = "random"
     colour = "#999999"
+    eager_only = "its draws follow the order of the slots, which a static step keeps otherwise"
     seed: int = 0
     # one per row of a batch, each drawing what the row's own cache draws
     _generators: list[torch.Generator] = field(default_factory=list, init=False, repr=False, compare=False)

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.attention import attention_probs, window_visible
+from kvbench.attention import attention_probs, query_visible, query_weights, window_visible
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import Demand, Policy, positive, protect, recent_mask, register
 
@@ -36,8 +36,17 @@ class Scissorhands(Policy):
         # attention; each query's verdicts go to column (its position mod history) of a per-slot ring,
         # so the ring always holds the verdicts of the last `history` queries (the newest `count` positions are
         # consecutive: their columns are distinct)
-        count = min(self.history, query.shape[2])
         ring = layer.slot_stat(self.state_key, width=self.history, dtype=torch.bool)
+        if query.shape[2] == 1:  # a decode step: wherever the new entry's slot is
+            visible = query_visible(layer)
+            weights = query_weights(layer, query, key, scaling).mean(dim=2)
+            seen_by = visible.sum(dim=-1, keepdim=True)
+            unimportant = (weights < 1.0 / seen_by.to(weights.dtype)) & visible
+            column = (layer.next_position() - 1) % self.history  # the query's position, per row in a batch
+            index = column[..., None] if torch.is_tensor(column) else torch.tensor(column, device=ring.device)
+            ring.scatter_(-1, index.expand(*ring.shape[:3], 1), unimportant[..., None])
+            return
+        count = min(self.history, query.shape[2])
         n = key.shape[2]
         weights = key.new_zeros((key.shape[0], key.shape[1], count, n), dtype=torch.float32)
         for start, probs in attention_probs(query[:, :, -count:], key, scaling, layer.padding(),
@@ -62,5 +71,5 @@ class Scissorhands(Policy):
     def score(self, layer, budget: int) -> torch.Tensor:
         counts = layer.slot_stat(self.state_key, width=self.history, dtype=torch.bool).sum(dim=-1)
         # most often unimportant goes first; among equals, the oldest
-        scores = -counts.double() + layer.live_positions().double() / (layer.seen + 1)
+        scores = -counts.double() + layer.live_positions().double() / (layer.next_position() + 1)
         return protect(scores, recent_mask(layer, self.recent))

@@ -28,6 +28,10 @@ class StreamingLLM(Policy):
         if demand.budget is not None and demand.budget <= self.sinks:
             raise KvbenchError(f"streaming_llm: budget {demand.budget} leaves no room beyond sinks={self.sinks}")
 
+    @property
+    def ring(self) -> int:
+        return self.sinks
+
     def score(self, layer, budget: int) -> torch.Tensor:
         positions = layer.live_positions()
         return protect(positions.float(), positions < self.sinks)

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.attention import attention_probs
+from kvbench.attention import query_weights
 from kvbench.policies.base import Policy, register
 from kvbench.reference import Reference, tova_reference
 
@@ -21,9 +21,7 @@ class TOVA(Policy):
     per_head: bool = False  # one choice per KV head (its query heads averaged) instead of one per layer
 
     def observe(self, layer, query, key, scaling, phase) -> None:
-        (_, probs), = attention_probs(query[:, :, -1:], key, scaling, layer.padding(), layer.kind,
-                                       layer.live_positions())  # [B, kv, group, 1, n]
-        weights = probs[:, :, :, 0].mean(dim=2)
+        weights = query_weights(layer, query, key, scaling).mean(dim=2)  # [B, kv, n]
         if not self.per_head:
             weights = weights.mean(dim=1, keepdim=True).expand_as(weights)
         layer.slot_stat(self.state_key).copy_(weights)

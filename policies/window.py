@@ -15,5 +15,9 @@ class Window(Policy):
     name = "window"
     colour = "#E69F00"
 
+    @property
+    def ring(self) -> int:
+        return 0
+
     def score(self, layer, budget: int) -> torch.Tensor:
         return layer.live_positions().float()

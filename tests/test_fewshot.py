@@ -49,7 +49,8 @@ def test_the_score_is_an_exact_match(tiny_llama):
 
 def test_a_segment_is_whole_split_or_dropped_per_layer_and_head_where_a_stock_cache_holds_it():
     def layer(*heads: list[int]) -> SimpleNamespace:
-        return SimpleNamespace(seen=10, live_positions=lambda: torch.tensor([heads]), padding=lambda: None)
+        return SimpleNamespace(seen=10, live_positions=lambda: torch.tensor([heads]),
+                               held_slots=lambda: torch.ones(1, len(heads), len(heads[0]), dtype=torch.bool))
 
     # layer 0: head 0 holds 0-3 and 7, head 1 holds 2-6; a sliding layer whose window passed everything: not counted
     cache = SimpleNamespace(layers=[layer([0, 1, 2, 3, 7], [2, 3, 4, 5, 6]), layer([9], [9])],

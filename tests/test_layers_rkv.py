@@ -220,11 +220,11 @@ def test_rkv_batch_rows_keep_what_they_keep_alone(sharp_llama, chunk):
     for step in range(len(tokens) + 1):
         for row, session in enumerate(alone):
             for mine, theirs in zip(batched.cache.layers, session.cache.layers, strict=True):
-                padding = mine.padding()
-                held = mine.live_positions()[row].masked_fill(padding[row], -1) if padding is not None else \
-                    mine.live_positions()[row]
+                held = mine.live_positions()[row].masked_fill(~mine.held_slots()[row], -1)
                 ours = [sorted(p for p in head.tolist() if p >= 0) for head in held]
-                assert ours == [sorted(head.tolist()) for head in theirs.live_positions()[0]], f"step {step} row {row}"
+                alone_held = theirs.live_positions()[0].masked_fill(~theirs.held_slots()[0], -1)
+                assert ours == [sorted(p for p in head.tolist() if p >= 0) for head in alone_held], \
+                    f"step {step} row {row}"
         if step < len(tokens):
             batched.step(torch.tensor([tokens[step], tokens[step]]))
             for session in alone:

@@ -42,6 +42,9 @@ def sweep(
     batch_size: int | None = typer.Option(None, "--batch-size", help="Samples of a cell decoded together, "
                                           "left-padded (default: the config's batch_size, 1); records are the same, "
                                           "only faster."),
+    compile_steps: bool = typer.Option(False, "--compile", help="Compile each static decode step into one graph "
+                                       "(torch.compile; CUDA graphs on a GPU), as the config's `compile: true`: "
+                                       "faster steps, the same records (docs/running.md)."),
     retry_failed: bool = typer.Option(False, "--retry-failed", help="Run again the cells recorded as error/oom."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar (for CI logs)."),
     trace: bool = typer.Option(False, "--trace", help="Save each sample's memory time series (NVML on a GPU, "
@@ -72,6 +75,8 @@ def sweep(
     if plugins:
         load_plugins(plugins)
     cfg = _with_batch_size(load_config(config, overrides), batch_size)
+    if compile_steps:
+        cfg = cfg.model_copy(update={"compile": True})
     cells = shard(expand(cfg), shard_spec)
     folder = RunFolder(output or cfg.output or _default_output(cfg.name, shard_spec))
     if dry_run:

@@ -174,11 +174,28 @@ def policies(plugins: str | None = PLUGINS, as_json: bool = json_flag(LISTING_JS
     for name in POLICIES.names():
         cls = POLICIES.get(name)
         entries.append({"name": name, "family": cls.family, "schedule": cls.schedule.when,
-                        "needs_attention": cls.needs_attention,
+                        "needs_attention": cls.needs_attention, "decode_step": decode_step(name),
                         "parameters": {k: v for k, v in cls.params().items() if k != "storage"},
                         "description": first_line(cls)})
-    print_listing("policies", ("name", "family", "schedule", "needs_attention", "parameters", "description"), entries,
-                  as_json, json_path)
+    print_listing("policies", ("name", "family", "schedule", "needs_attention", "decode_step", "parameters",
+                               "description"), entries, as_json, json_path)
+
+
+def decode_step(name: str) -> str:
+    """How a policy's decode steps run at its defaults: `static` (on static buffers, compiled with --compile), or
+    `dynamic: <why>` (eager on the dynamic layout). A policy that needs parameters to be built is judged by its
+    class."""
+    from kvbench.cache import step_blocker
+    from kvbench.errors import KvbenchError
+    from kvbench.policies import POLICIES, Policy
+
+    try:
+        why = step_blocker(POLICIES.build(name))
+    except KvbenchError:  # it needs a parameter (a pattern, an artifact): what its class says
+        cls = POLICIES.get(name)
+        selects = cls.schedule.decodes and cls.select is not Policy.select
+        why = "it picks a kept set of any size per head while decoding" if selects else cls.eager_only
+    return "static" if why is None else f"dynamic: {why}"
 
 
 @app.command()
