@@ -105,12 +105,6 @@ def kvbench_attention(
         attention_mask = read[:, :, None, :] if attention_mask is None else attention_mask & read[:, :, None, :]
     if kind.softcap is not None:
         output = eager_attention(query, key, value, attention_mask, scaling, kind.softcap), None
-    elif observer is not None and observer.observing and _plain_prompt(query, key, attention_mask, kind, padding):
-        # a prompt's causal attention, its log-sum-exp kept for the observers (`received_by`): the same kernel as
-        # SDPA's, the same output bit for bit
-        attended, layer.attention_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, True, scale=scaling)
-        output = attended.transpose(1, 2).contiguous(), None
     else:
         output = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     if observer is not None:
@@ -190,46 +184,10 @@ def query_weights(layer: LayerKV, query: torch.Tensor, key: torch.Tensor, scalin
 
 def received_by(layer: LayerKV, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
     """`attention_received` over `layer`'s slots: `[B, kv_heads, n]` the attention each slot received from the
-    queries (those of a static step: its one query; a prompt's, from its attention's log-sum-exp where it kept
-    it)."""
+    queries (those of a static step: its one query)."""
     if layer.static is not None:
         return query_weights(layer, query, key, scaling).mean(dim=2)
-    if layer.attention_lse is not None:
-        return received_from_lse(query, key, layer.attention_lse, scaling)
     return attention_received(query, key, scaling, layer.padding(), layer.kind, layer.live_positions())
-
-
-def _plain_prompt(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, kind: LayerKind,
-                  padding: torch.Tensor | None) -> bool:
-    """Whether a forward is a whole prompt's causal attention, nothing else masked, on a CPU: what
-    `received_from_lse` computes from its log-sum-exp."""
-    plain = mask is None and padding is None and kind == FULL and query.shape[-2] == key.shape[-2] > 1
-    return plain and query.device.type == "cpu"
-
-
-def received_from_lse(query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor, scaling: float) -> torch.Tensor:
-    """`attention_received` of a prompt's causal attention from its log-sum-exp `lse` `[B, heads, n]`, with no
-    n x n matrix: key j received sum_i exp(s q_i.k_j - lse_i) over the queries i >= j, which is the exp of the
-    log-sum-exp of an attention where the keys ask and the queries answer, each query's key carrying -lse_i / s in
-    one more channel (k_j's is 1) and both orders reversed, so that key j sees the queries from j on causally. One
-    flash-attention pass (its output unused), memory O(n)."""
-    batch, heads, n, dim = query.shape
-    kv_heads = key.shape[1]
-    group, width = heads // kv_heads, dim + 8  # one channel more, rounded to the kernel's preferred multiple
-    received = torch.empty(batch, kv_heads, n, dtype=torch.float32, device=key.device)
-    # in float32 whatever the model's dtype: -lse_i / s is large beside its precision in 16 bits
-    asking, answering = torch.zeros(2, batch, group, n, width, device=key.device)  # a KV head's group at a time
-    asking[..., dim] = 1.0
-    nothing = torch.zeros_like(asking)
-    for head in range(kv_heads):
-        queries = slice(head * group, (head + 1) * group)
-        asking[..., :dim] = key[:, head : head + 1].flip(2)
-        answering[..., :dim] = query[:, queries].flip(2)
-        answering[..., dim] = lse[:, queries].flip(2).float().div(-scaling)
-        _, sums = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(asking, answering, nothing, 0.0, True,
-                                                                            scale=scaling)
-        received[:, head] = sums.exp().flip(2).mean(dim=1)
-    return received
 
 
 def _check_kind(module: torch.nn.Module, kind: LayerKind, kwargs: dict) -> None:

@@ -241,8 +241,7 @@ class KVCache(Cache):
         try:
             self._observe(layer_idx, query, key, scaling)
         finally:  # held for this forward's observers only, never longer
-            layer = self.layers[layer_idx]
-            layer.attention_input = layer.step_weights = layer.attention_lse = None
+            self.layers[layer_idx].attention_input = self.layers[layer_idx].step_weights = None
 
     def _observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
         if not self.times_observers:

@@ -71,9 +71,6 @@ class LayerKV(CacheLayerMixin):
         # a static decode step's attention weights `[batch, kv_heads, group, slots]` (float32), while the observers
         # run, where a policy scores by them (`attention.query_weights`); None otherwise
         self.step_weights: torch.Tensor | None = None
-        # a prompt's attention log-sum-exp `[batch, heads, tokens]` while the observers run, where the attention
-        # kept it (`attention.received_from_lse`); None otherwise
-        self.attention_lse: torch.Tensor | None = None
         # the buffers are a shared prefill's (see `borrow`): read in place, never written; the first write moves
         # what this layer keeps into buffers of its own
         self.borrowed = False
