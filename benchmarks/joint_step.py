@@ -1,4 +1,4 @@
-"""What a service's decode step costs: B requests of different lengths in one joint step (kvbench/joint.py: each
+"""What a service's decode step costs: B requests of different lengths in one joint step (kvbench/engine/joint.py: each
 row's attention over its own cache), against the same B requests stepped one at a time and against one left-padded
 B-row cache (the static batch of `generate_batch`, whose rows must start together).
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import tempfile
 import time
 import weakref
@@ -28,14 +26,16 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from kvbench import __version__
+from kvbench import __version__, kvzap
+from kvbench.artifacts import WEIGHTS_FILE, read_weights, write_artifact
 from kvbench.errors import KvbenchError
 from kvbench.models import LoadedModel, cache_dir, model_digest, per_model
+from kvbench.policies import build_policy
 from kvbench.policies.base import Policy, Schedule
+from kvbench.session import Session
+from kvbench.settings import RunSettings
 
-WEIGHTS_FILE, CONFIG_FILE, PROVENANCE_FILE = "model.safetensors", "config.json", "calibration.json"
 # what the cached calibrations were computed by: bumped whenever a method's math or its windows change, so that an
 # entry computed before is recomputed, not read back (1: every window starts as an inference prompt starts)
 CALIBRATION_FORMAT = 1
@@ -210,8 +210,6 @@ def check_writable(folder: Path) -> None:
 
 def _compute(lm: LoadedModel, method: str, documents: list[list[int]], settings: Settings, start: int,
              advance: Callable[[int, int], None]) -> dict[str, torch.Tensor]:
-    from kvbench import kvzap  # it runs sessions, which import the policies
-
     if method == "qfilter":
         return {"q_filters": qfilters(lm, documents, settings, advance)}
     if method == "expected-attention":
@@ -222,8 +220,6 @@ def _compute(lm: LoadedModel, method: str, documents: list[list[int]], settings:
 def _save(lm: LoadedModel, method: str, saved: dict[str, torch.Tensor], folder: Path,
           provenance: dict) -> dict[str, Any]:
     """Writes `method`'s folder; returns what it says of the artifact's quality (KVzap's held-out scores)."""
-    from kvbench import kvzap
-
     if method == "qfilter":
         save_qfilters(saved["q_filters"], folder, provenance)
         return {}
@@ -241,9 +237,6 @@ def qfilters(lm: LoadedModel, documents: list[list[int]], settings: Settings,
     head, the first right singular vector of `samples` post-RoPE queries (the same positions for every head), its
     sign set so that most queries project on it positively, negated (kvpress scores a key by -<filter, key>: the
     keys along the queries' direction score highest), averaged over each KV head's query heads."""
-    from kvbench.session import Session  # the session imports the policies
-    from kvbench.settings import RunSettings
-
     total = len(documents) * settings.tokens
     drawn = torch.randperm(total, generator=torch.Generator().manual_seed(settings.seed))[: settings.samples]
     recorder = _QueryRecorder()
@@ -260,35 +253,6 @@ def qfilters(lm: LoadedModel, documents: list[list[int]], settings: Settings,
         per_head = -sign[:, None] * right[:, 0, :]
         filters.append(per_head.view(lm.kv_heads, -1, per_head.shape[-1]).mean(dim=1))
     return torch.stack(filters)
-
-
-def write_artifact(folder: Path, tensors: dict[str, torch.Tensor], config: dict, provenance: dict) -> None:
-    """A folder as kvpress's `save_pretrained` writes one (the tensors in `model.safetensors`, float32, and
-    `config.json`), with kvbench's provenance beside them in `calibration.json`. The files are written whole in a
-    folder beside it, then moved in, so a failed write leaves no part of an artifact; one that cannot be written is a
-    one-line error."""
-    staging = folder.with_name(f".{folder.name}.{os.getpid()}.{time.time_ns()}.tmp")
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        staging.mkdir()
-        save_file({name: tensor.detach().float().cpu().contiguous() for name, tensor in tensors.items()},
-                  str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
-        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        (staging / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
-        if folder.is_dir():  # a folder written before (or the user's own): its files replaced one by one
-            for name in (WEIGHTS_FILE, CONFIG_FILE, PROVENANCE_FILE):
-                (staging / name).replace(folder / name)
-        else:
-            staging.rename(folder)
-    except OSError as exc:
-        raise KvbenchError(f"kvbench calibrate: cannot write the folder {folder}: "
-                           f"{exc.strerror or type(exc).__name__}") from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(folder / WEIGHTS_FILE))
 
 
 Artifact = TypeVar("Artifact")
@@ -356,10 +320,6 @@ def query_statistics(lm: LoadedModel, documents: list[list[int]],
     """`query_mean` `[layers, heads, D]` and `query_cov` `[layers, heads, D, D]` of every pre-RoPE query of the
     documents but each one's first `STATS_SINKS`, as kvpress's `collect_queries` computes them (the covariance over
     n - 1). The sums are expected_attention's own prompt moments (its `observe`), added over the documents."""
-    from kvbench.policies import build_policy
-    from kvbench.session import Session
-    from kvbench.settings import RunSettings
-
     count = total = outer = torch.zeros(())
     for index, ids in enumerate(documents):
         policy = build_policy("expected_attention", {"n_sink": STATS_SINKS})

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvbench.attention import query_weights
+from kvbench.engine.attention import query_weights
 from kvbench.policies.base import Policy, Schedule
 
 

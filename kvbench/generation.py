@@ -10,15 +10,18 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from kvbench.engine.session import Session, stopped
+from kvbench.fidelity import AttentionRecorder, Follower
+from kvbench.policies.full import Full
 from kvbench.segments import Segment, segment_measurements
 
 if TYPE_CHECKING:
-    from kvbench.fidelity import Follower
     from kvbench.models import LoadedModel
     from kvbench.policies.base import Policy
-    from kvbench.session import Session
     from kvbench.settings import RunSettings
     from kvbench.sharing import SharedPrefill
+
+__all__ = ["Generation", "Prompt", "answer", "generate", "generate_batch", "generate_rows", "left_padded", "stopped"]
 
 
 @dataclass
@@ -61,8 +64,6 @@ def generate_rows(lm: LoadedModel, policy: Policy, prompts: list[Prompt], settin
     alone, but for the times and memory peaks, which are the batch's (`Session.measurements`). Every row must
     resolve the budget alike (`compression_plan`), and with `question: agnostic` their questions (appended
     together after compression) must be of one length."""
-    from kvbench.session import Session  # the session re-exports this module
-
     agnostic = settings.question == "agnostic"
     eos = lm.eos_token_ids if eos_token_ids is None else eos_token_ids
     single = len(prompts) == 1
@@ -88,9 +89,6 @@ def generate_rows(lm: LoadedModel, policy: Policy, prompts: list[Prompt], settin
     if settings.fidelity:  # the full-cache reference, fed the same prompt (free with a shared prefill)
         if not single:
             raise ValueError("fidelity follows one prompt at a time")
-        from kvbench.fidelity import AttentionRecorder, Follower
-        from kvbench.policies.full import Full
-
         full_attention, kept = AttentionRecorder("full"), AttentionRecorder("policy")
         reference = session_of(Full(), [full_attention])
         prefill(reference)
@@ -126,14 +124,6 @@ def answer(lm: LoadedModel, tokens: list[int], eos: set[int], stop: tuple[str, .
     return _cut(cast(str, lm.tokenizer.decode(tokens, skip_special_tokens=True)), stop), tokens
 
 
-def stopped(lm: LoadedModel, tokens: list[int], stop: tuple[str, ...]) -> bool:
-    """Whether the text of `tokens` so far holds one of the `stop` strings (an answer ends there)."""
-    if not stop:
-        return False
-    text = cast(str, lm.tokenizer.decode(tokens, skip_special_tokens=True))  # one sequence: one text
-    return any(s in text.lstrip() for s in stop)
-
-
 def left_padded(lm: LoadedModel, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """`[rows, longest]` ids, each prompt left-padded to the longest, and each row's padding `[rows]`."""
     longest = max(map(len, prompts))
@@ -149,8 +139,6 @@ def generate_batch(lm: LoadedModel, policy: Policy, prompts: list[list[int]], se
     first and never counted as kept), the budget resolved against the longest. Returns each row's tokens (up to
     its end of sequence) and the whole batch's measurements (its cache's bytes over every row: what a capacity
     search fits into memory)."""
-    from kvbench.session import Session  # the session re-exports this module
-
     ids, padding = left_padded(lm, prompts)
     eos = lm.eos_token_ids if eos_token_ids is None else eos_token_ids
     session = Session(lm, policy, settings, prompt_tokens=ids.shape[1], adds=max_new_tokens, left_padding=padding)

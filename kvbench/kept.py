@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from kvbench.cache import KVCache
+from kvbench.engine.cache import KVCache
+from kvbench.engine.storage import StoredLayerKV
 from kvbench.models import LoadedModel
 from kvbench.policies import build_policy
 from kvbench.session import Session
 from kvbench.settings import RunSettings
-from kvbench.storage import StoredLayerKV
 
 TIE_TOLERANCE = 1e-4  # relative: reference scores this close to the margin rank either way
 

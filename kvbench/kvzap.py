@@ -27,11 +27,14 @@ from typing import TYPE_CHECKING, ClassVar, cast
 import torch
 from torch import nn
 
-from kvbench.calibrate import CONFIG_FILE, Settings, read_weights, write_artifact
+from kvbench.artifacts import CONFIG_FILE, read_weights, write_artifact
 from kvbench.errors import KvbenchError
 from kvbench.policies.kvzip import KVzipPlus
+from kvbench.session import Session
+from kvbench.settings import RunSettings
 
 if TYPE_CHECKING:
+    from kvbench.calibrate import Settings
     from kvbench.models import LoadedModel
 
 RIDGE_ALPHA = 1.0  # scikit-learn Ridge's default, which kvpress's train_linear uses
@@ -104,9 +107,6 @@ def targets(lm: LoadedModel, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor
     """A document's features `[layers, n, hidden]` and targets `[layers, n, kv_heads]`: log KVzip+ scores. A position
     a layer no longer holds (it slid out of a sliding layer's window) or whose score is 0 (no reconstruction query
     could see it: a sliding layer's early positions) has no target: NaN, left out of the fit and of its scores."""
-    from kvbench.session import Session
-    from kvbench.settings import RunSettings
-
     recorder = _KVzipPlusTargets()
     # a budget below the prompt, or KVzip+ has nothing to evict and skips its reconstruction
     Session(lm, recorder, RunSettings(budget=len(ids) // 2), prompt_tokens=len(ids)).prefill(torch.tensor([ids]))

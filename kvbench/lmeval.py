@@ -1,5 +1,5 @@
 """lm-evaluation-harness under a kvbench policy: the lm-eval model `kvbench`, whose every request runs through an
-engine session (kvbench/session.py), so what lm-eval scores is the compressed cache:
+engine session (kvbench/engine/session.py), so what lm-eval scores is the compressed cache:
 
   generate_until         prefill the request's context, compress, decode greedily (a decode-time policy evicting
                          as tokens arrive) until a stop sequence or `max_gen_toks`;

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kvbench.measure import PeakMemory
 
 if TYPE_CHECKING:
-    from kvbench.cache import CacheStats, KVCache
+    from kvbench.engine.cache import CacheStats, KVCache
     from kvbench.sharing import SharedPrefill
 
 # the record's memory peak columns: PeakMemory's peak attribute, whose baseline is the same name with `baseline`

@@ -28,8 +28,8 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from kvbench import attention
-from kvbench.attention import LayerKind
+from kvbench.engine import attention
+from kvbench.engine.attention import LayerKind
 from kvbench.errors import KvbenchError
 
 
@@ -154,7 +154,7 @@ class LoadedModel:
     # transformers renamed the cache argument within 5.x; pass whichever forward() accepts
     cache_arg: str
     takes_cache_position: bool
-    # decode steps compiled (`--compile`): a static step runs as one torch.compile'd graph (kvbench/session.py)
+    # decode steps compiled (`--compile`): a static step runs as one torch.compile'd graph (kvbench/engine/session.py)
     compile: bool = False
 
     @functools.cached_property

@@ -15,7 +15,7 @@ import torch
 from kvbench.errors import KvbenchError
 
 if TYPE_CHECKING:
-    from kvbench.layer import LayerKV
+    from kvbench.engine.layer import LayerKV
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import importlib.metadata
 import importlib.util
 import sys
@@ -24,12 +25,19 @@ ENTRY_POINT_GROUPS = {"policy": "kvbench.policies", "task": "kvbench.tasks"}
 
 
 class Registry(Generic[T]):
-    """Maps names to classes; `register` is a class decorator reading the class's `name`."""
+    """Maps names to classes; `register` is a class decorator reading the class's `name`. The built-in ones are
+    known by the module that registers them (`index`), imported when their name is first read: listing the names
+    imports nothing, and running one policy imports that policy's module alone."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._entries: dict[str, type[T]] = {}
+        self._modules: dict[str, str] = {}
         self._entry_points_loaded = False
+
+    def index(self, modules: dict[str, str]) -> None:
+        """Names and the modules that register them, imported on demand."""
+        self._modules.update(modules)
 
     def register(self, cls: type[T]) -> type[T]:
         name = cls.name  # type: ignore[attr-defined]
@@ -40,6 +48,8 @@ class Registry(Generic[T]):
 
     def get(self, name: str) -> type[T]:
         self._load_entry_points()
+        if name not in self._entries and name in self._modules:
+            importlib.import_module(self._modules[name])
         if name not in self._entries:
             raise KvbenchError(f"unknown {self.kind} '{name}'{did_you_mean(name, self._entries)}; known: "
                                f"{', '.join(self.names())}")
@@ -67,7 +77,7 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         self._load_entry_points()
-        return sorted(self._entries)
+        return sorted({*self._entries, *self._modules})
 
     def _load_entry_points(self) -> None:
         """Import, once, every module installed distributions declare for this kind of registry."""

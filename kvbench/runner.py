@@ -1,5 +1,5 @@
 """Run and score one sample of a cell: the record. The engine the task drives is the session
-(kvbench/session.py); this module only wraps its result in the record's fields and repeats it for timing."""
+(kvbench/engine/session.py); this module only wraps its result in the record's fields and repeats it for timing."""
 
 from __future__ import annotations
 

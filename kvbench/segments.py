@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from kvbench.cache import KVCache
+    from kvbench.engine.cache import KVCache
 
 
 @dataclass(frozen=True)

@@ -17,18 +17,19 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from kvbench.engine.layer import PADDING, LayerKV
+from kvbench.engine.session import Session
 from kvbench.errors import KvbenchError
 from kvbench.generation import left_padded
-from kvbench.layer import PADDING, LayerKV
+from kvbench.policies.full import Full
 from kvbench.settings import RunSettings, policy_budget, threshold_of
 
 if TYPE_CHECKING:
     from kvbench.budgets import Threshold
-    from kvbench.cache import KVCache
+    from kvbench.engine.cache import KVCache
     from kvbench.measure import PeakMemory, Stopwatch
     from kvbench.models import LoadedModel
     from kvbench.policies.base import Policy
-    from kvbench.session import Session
 
 
 @dataclass
@@ -120,9 +121,6 @@ def shared_prefill(lm: LoadedModel, ids: list[int] | list[list[int]], observers:
     """The prompt's forward once (or a batch's prompts, left-padded into one forward), gathering every
     `observers` policy's statistics, for cells to adopt. `settings`, paired with `observers`, are those of the
     cells that will adopt it: the ones that compress it alike then compress it once."""
-    from kvbench.policies.full import Full
-    from kvbench.session import Session  # the session re-exports this module
-
     prompts = [row for row in ids if isinstance(row, list)] or [cast("list[int]", ids)]
     batch = left_padded(lm, prompts) if len(prompts) > 1 else None
     for policy in observers:  # each gathers its statistics here: made ready for the model as its own session would

@@ -1,12 +1,19 @@
-"""Built-in KV-cache policies, one file each; importing this package imports every module in it, whose `@register`
-registers its policies: a new policy is its file."""
-
-import importlib
-import pkgutil
+"""Built-in KV-cache policies, one file each. `BUILT_IN` names the module that registers each: a policy's module is
+imported the first time its name is read (`POLICIES.get`, `build_policy`), so a run imports the policies it runs.
+A new policy is its file and its line here (tests/test_registry.py checks the index against the files)."""
 
 from kvbench.policies.base import POLICIES, Demand, Policy, Schedule, build_policy, register
 
-for _module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_module.name}")
+BUILT_IN = {name: f"kvbench.policies.{module}" for name, module in {
+    "ada_kv": "ada_kv", "adaptive": "adaptive", "chunkkv": "chunkkv", "compose": "compose", "hybrid": "compose",
+    "criticalkv": "criticalkv", "duoattention": "duoattention", "expected_attention": "expected_attention",
+    "expected_attention_stats": "expected_attention", "full": "full", "h2o": "h2o", "keydiff": "keydiff",
+    "knorm": "knorm", "kvzap": "kvzap", "kvzip": "kvzip", "kvzip_plus": "kvzip", "lagkv": "lagkv", "lowrank": "lowrank",
+    "merge": "merge", "mixed_precision": "mixed_precision", "pyramidkv": "pyramidkv", "qfilter": "qfilter",
+    "quant": "quant", "quest": "quest", "random": "random", "razorattention": "razorattention", "rkv": "rkv",
+    "scissorhands": "scissorhands", "simlayerkv": "simlayerkv", "snapkv": "snapkv", "streaming_llm": "streaming_llm",
+    "think": "think", "tova": "tova", "whole_segments": "whole_segments", "window": "window",
+}.items()}
+POLICIES.index(BUILT_IN)
 
-__all__ = ["POLICIES", "Demand", "Policy", "Schedule", "build_policy", "register"]
+__all__ = ["BUILT_IN", "POLICIES", "Demand", "Policy", "Schedule", "build_policy", "register"]

@@ -13,7 +13,7 @@ policy takes one with `storage:` (`{name: h2o, storage: {quant: {bits: 4}}}`): f
 
 A sparse policy (quest) evicts nothing: the cache keeps every entry, and at each decode step `read_mask()` says
 which of them the step's query attends to, `budget` tokens' worth (the engine masks the rest in
-kvbench/attention.py and counts the bytes read).
+kvbench/engine/attention.py and counts the bytes read).
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from kvbench.policies.schedule import Demand, Schedule
 from kvbench.registry import Registry, declared_params
 
 if TYPE_CHECKING:
-    from kvbench.cache import KVCache
-    from kvbench.layer import LayerKV
+    from kvbench.engine.cache import KVCache
+    from kvbench.engine.layer import LayerKV
+    from kvbench.engine.storage import Layout
     from kvbench.models import LoadedModel
     from kvbench.reference import Reference
     from kvbench.session import Session
-    from kvbench.storage import Layout
 
 HookScope = Literal["active", "first", "all"]
 
@@ -83,7 +83,8 @@ class Policy:
     # the kept entries stored compressed: a storage policy's name, or {name: {params}}
     storage: str | dict[str, Any] | None = dataclasses.field(default=None, kw_only=True)
 
-    # why this policy's decode steps cannot run on static buffers yet (kvbench/step.py), in a few words; None: they can
+    # why this policy's decode steps cannot run on static buffers yet (kvbench/engine/step.py), in a few words;
+    # None: they can
     eager_only: ClassVar[str | None] = None
     # set on a plugin class that still validates in `check_budget` or `check_settings`
     _legacy_checks: ClassVar[bool] = False
@@ -122,12 +123,12 @@ class Policy:
     @property
     def ring(self) -> int | None:
         """For a policy that evicts the oldest entry beyond its first ones (a window, StreamingLLM's sinks): how many
-        first ones it keeps, so that its decode step writes around a ring (kvbench/step.py); None: it scores."""
+        first ones it keeps, so that its decode step writes around a ring (kvbench/engine/step.py); None: it scores."""
         return None
 
     def static_blocker(self) -> str | None:
-        """Why this policy's decode steps run on the dynamic layout rather than on static buffers (kvbench/step.py),
-        in a few words; None: they step on static buffers."""
+        """Why this policy's decode steps run on the dynamic layout rather than on static buffers
+        (kvbench/engine/step.py), in a few words; None: they step on static buffers."""
         if self.schedule.decodes and type(self).select is not Policy.select:
             return "it picks a kept set of any size per head while decoding"
         return self.eager_only

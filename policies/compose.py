@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvbench.cache import Phase
+from kvbench.engine.cache import Phase
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import Policy, Schedule, Wrapper, register
 

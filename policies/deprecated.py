@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from kvbench.policies.schedule import Schedule
 
 if TYPE_CHECKING:
-    from kvbench.layer import LayerKV
+    from kvbench.engine.layer import LayerKV
     from kvbench.policies.base import Policy
     from kvbench.policies.schedule import Demand
 

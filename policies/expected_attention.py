@@ -7,10 +7,11 @@ import numpy as np
 import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
-from kvbench.attention import queries_per_chunk
+from kvbench.calibrate import calibrate_command, default_folder, load_query_statistics, read_artifact
+from kvbench.engine.attention import queries_per_chunk
+from kvbench.engine.rows import rows_of
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import Demand, Policy, Schedule, protect, register, shares
-from kvbench.rows import rows_of
 
 
 @dataclass
@@ -214,13 +215,6 @@ class ExpectedAttentionStats(ExpectedAttention):
 
     def load(self, lm) -> tuple[torch.Tensor, torch.Tensor]:
         """The statistics for `lm`, checked against its shape; a missing artifact names the command that makes it."""
-        from kvbench.calibrate import (  # it imports the policies
-            calibrate_command,
-            default_folder,
-            load_query_statistics,
-            read_artifact,
-        )
-
         method = "expected-attention"
         folder = default_folder(lm, method) if self.stats_folder is None else Path(self.stats_folder).expanduser()
         if not folder.is_dir():

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.attention import received_by
+from kvbench.engine.attention import received_by
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import Policy, protect, recent_mask, register
 from kvbench.reference import Reference, h2o_reference

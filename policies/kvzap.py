@@ -7,7 +7,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvbench.attention import record_attention_inputs
+from kvbench import kvzap
+from kvbench.calibrate import calibrate_command, default_folder, read_artifact
+from kvbench.engine.attention import record_attention_inputs
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import PromptScorer, protect, recent_mask, register
 from kvbench.reference import Reference, kvzap_kept
@@ -55,9 +57,6 @@ class KVzap(PromptScorer):
     def load(self, lm) -> Surrogate:
         """The surrogate for `lm` on its device (read once per model: shared, not to be changed), checked against its
         shape; a missing artifact names the command that makes it."""
-        from kvbench import kvzap  # it imports the policies
-        from kvbench.calibrate import calibrate_command, default_folder, read_artifact
-
         method = f"kvzap-{self.model_type}"
         folder = default_folder(lm, method) if self.kvzap_model is None else Path(self.kvzap_model).expanduser()
         if not folder.is_dir():
@@ -71,12 +70,10 @@ class KVzap(PromptScorer):
         return surrogate
 
     def observe(self, layer, query, key, scaling, phase) -> None:
-        from kvbench.kvzap import predict
-
         if self._surrogate is None:
             raise KvbenchError("policy 'kvzap' reads its model when a session is made (prepare)")
         assert layer.attention_input is not None, "prepare() asked for the attention's inputs"
-        layer.slot_stat(self.state_key)[:, :, -query.shape[2]:] = predict(self._surrogate, layer.layer_idx,
+        layer.slot_stat(self.state_key)[:, :, -query.shape[2]:] = kvzap.predict(self._surrogate, layer.layer_idx,
                                                                            layer.attention_input)
 
     def score(self, layer, budget: int) -> torch.Tensor:

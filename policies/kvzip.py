@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.attention import attention_probs, record_attention_inputs
+from kvbench.engine.attention import attention_probs, record_attention_inputs
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import BatchLimit, Demand, Policy, Schedule, protect, register
 

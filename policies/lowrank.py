@@ -2,10 +2,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbench.codecs import Codec, LowRank
+from kvbench.engine.codecs import Codec, LowRank
+from kvbench.engine.storage import Layout, Tier
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import Policy, Schedule, register
-from kvbench.storage import Layout, Tier
 
 
 @register

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from kvbench.calibrate import calibrate_command, default_folder, load_qfilters, read_artifact
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import PromptScorer, register
 from kvbench.reference import Reference, qfilter_kept
@@ -31,13 +32,6 @@ class QFilter(PromptScorer):
 
     def load(self, lm) -> torch.Tensor:
         """The filters for `lm`, checked against its shape; a missing artifact names the command that makes it."""
-        from kvbench.calibrate import (  # it imports the policies
-            calibrate_command,
-            default_folder,
-            load_qfilters,
-            read_artifact,
-        )
-
         folder = default_folder(lm, "qfilter") if self.filters is None else Path(self.filters).expanduser()
         if not folder.is_dir():
             command = calibrate_command(lm, "qfilter") + ("" if self.filters is None else f" -o {self.filters}")

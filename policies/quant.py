@@ -3,10 +3,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvbench.codecs import ChannelQuant, Codec, TokenQuant
+from kvbench.engine.codecs import ChannelQuant, Codec, TokenQuant
+from kvbench.engine.storage import Layout, Tier
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import Policy, Schedule, register
-from kvbench.storage import Layout, Tier
 
 
 @register

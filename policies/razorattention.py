@@ -7,10 +7,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvbench.attention import attention_probs
+from kvbench.engine.attention import attention_probs
 from kvbench.errors import KvbenchError
 from kvbench.models import per_model
 from kvbench.policies.base import Policy, RetrievalHeads, Schedule, register
+from kvbench.session import Session
+from kvbench.settings import RunSettings
 
 CALIBRATION_SEED = 0
 
@@ -93,9 +95,6 @@ def head_scores(lm, tokens: int) -> tuple[HeadScores, bool]:
 def calibrate(lm, tokens: int) -> HeadScores:
     """One forward over `tokens` random token ids repeated twice, through kvbench's own session (the attention
     statistics path every attention-scored policy uses)."""
-    from kvbench.session import Session  # the session imports the policies
-    from kvbench.settings import RunSettings
-
     vocab = lm.model.config.vocab_size
     sequence = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(CALIBRATION_SEED))
     recorder = _RepetitionRecorder(period=tokens)

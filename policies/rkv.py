@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvbench.attention import queries_per_chunk
+from kvbench.engine.attention import queries_per_chunk
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import Demand, Policy, positive, protect, recent_mask, register
 

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.attention import attention_probs, query_visible, query_weights, window_visible
+from kvbench.engine.attention import attention_probs, query_visible, query_weights, window_visible
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import Demand, Policy, positive, protect, recent_mask, register
 

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.attention import attention_received
+from kvbench.engine.attention import attention_received
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import BatchLimit, Demand, Policy, protect, register
 

@@ -6,7 +6,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kvbench.attention import attention_probs
+from kvbench.engine.attention import attention_probs
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import Demand, Policy, Schedule, positive, register
 from kvbench.reference import Reference, snapkv_kept

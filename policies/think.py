@@ -4,10 +4,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.codecs import Codec, KeyChannels
+from kvbench.engine.codecs import Codec, KeyChannels
+from kvbench.engine.storage import Layout, Tier
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import Policy, Schedule, positive, register
-from kvbench.storage import Layout, Tier
 
 
 @register

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.attention import query_weights
+from kvbench.engine.attention import query_weights
 from kvbench.policies.base import Policy, register
 from kvbench.reference import Reference, tova_reference
 

@@ -74,7 +74,7 @@ class Task:
 
     def run(self, lm: LoadedModel, policy: Policy, sample: Sample, settings: RunSettings,
             shared: SharedPrefill | None = None) -> Generation:
-        """Run one sample under `policy` in an engine session (kvbench/session.py): by default prefill its
+        """Run one sample under `policy` in an engine session (kvbench/engine/session.py): by default prefill its
         prompt (the context alone first with `question: agnostic`) and generate one answer greedily."""
         return self.run_rows(lm, policy, [sample], settings, shared)[0]
 

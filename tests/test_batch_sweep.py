@@ -221,7 +221,7 @@ def test_each_row_stops_at_its_own_end_of_sequence(sharp_llama, name, params):
 
 @pytest.mark.parametrize("name", ["full", "window", "h2o", "snapkv", "ada_kv", "knorm"])
 def test_one_rows_accounts_are_its_caches_own(tiny_llama, name):
-    """The per-row accounts (kvbench/rows.py) of a one-row batch say what the cache's own buffers say: the two
+    """The per-row accounts (kvbench/engine/rows.py) of a one-row batch say what the cache's own buffers say: the two
     bookkeepings follow one allocation rule."""
     params = {"window": 8} if name == "snapkv" else {"base": SNAP} if name == "ada_kv" else {}
     for settings in (RunSettings(budget=20), RunSettings(budget=20, evict_every=4)):

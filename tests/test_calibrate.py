@@ -13,7 +13,7 @@ import torch
 from tokenizers import processors
 from typer.testing import CliRunner
 
-from kvbench import calibrate
+from kvbench import artifacts, calibrate
 from kvbench.calibrate import Settings, corpus_documents, window_start
 from kvbench.cli import app
 from kvbench.errors import KvbenchError
@@ -69,7 +69,7 @@ def test_kvzaps_windows_open_a_chat_turn_where_the_tokenizer_has_a_template_and_
 
 def test_the_provenance_says_how_the_windows_start(bos_llama, cache, tmp_path):
     done = calibrate.calibrate(bos_llama, "qfilter", "embedded", SETTINGS, tmp_path / "out")
-    provenance = json.loads((done.folder / calibrate.PROVENANCE_FILE).read_text())
+    provenance = json.loads((done.folder / artifacts.PROVENANCE_FILE).read_text())
     assert {key: provenance[key] for key in ("window_start", "window_start_tokens", "window_start_text",
                                              "calibration_format")} == {
         "window_start": "start token", "window_start_tokens": 1, "window_start_text": "<s>",
@@ -126,7 +126,7 @@ def test_a_calibration_of_another_format_is_recomputed_and_says_so(sharp_llama, 
     assert newer.computed and newer.stale == calibrate.CALIBRATION_FORMAT - 1 and len(forwards) == SETTINGS.documents
     assert len(notices) == 1 and "\n" not in notices[0]
     assert f"format {calibrate.CALIBRATION_FORMAT - 1}" in notices[0] and "recomputing" in notices[0]
-    provenance = json.loads((tmp_path / "a" / calibrate.PROVENANCE_FILE).read_text())
+    provenance = json.loads((tmp_path / "a" / artifacts.PROVENANCE_FILE).read_text())
     assert provenance["calibration_format"] == calibrate.CALIBRATION_FORMAT
     _PER_MODEL.clear()
     assert not calibrate.calibrate(sharp_llama, "qfilter", "embedded", SETTINGS, tmp_path / "a").computed
@@ -163,7 +163,7 @@ def test_a_write_that_fails_midway_leaves_no_part_of_an_artifact(tmp_path, monke
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(calibrate, "save_file", full_disk)
+    monkeypatch.setattr(artifacts, "save_file", full_disk)
     with pytest.raises(KvbenchError, match="cannot write the folder .*: No space left on device"):
         calibrate.save_qfilters(torch.zeros(2, 2, 16), tmp_path / "filters", {})
     assert list(tmp_path.iterdir()) == []

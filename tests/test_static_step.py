@@ -1,6 +1,6 @@
-"""The decode step on static buffers (kvbench/step.py): what it keeps, counts and computes is what the dynamic layout
-keeps, counts and computes, for every policy that steps on it; it asks the host nothing; and it compiles to one graph
-that is not recompiled as the cache evicts."""
+"""The decode step on static buffers (kvbench/engine/step.py): what it keeps, counts and computes is what the
+dynamic layout keeps, counts and computes, for every policy that steps on it; it asks the host nothing; and it compiles
+to one graph that is not recompiled as the cache evicts."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import kvbench.session as session_module
+import kvbench.engine.session as session_module
 from kvbench.cache import KVCache, step_blocker
 from kvbench.policies import POLICIES
 from kvbench.session import Prompt, RunSettings, Session, generate, generate_rows

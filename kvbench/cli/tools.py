@@ -185,7 +185,7 @@ def decode_step(name: str) -> str:
     """How a policy's decode steps run at its defaults: `static` (on static buffers, compiled with --compile), or
     `dynamic: <why>` (eager on the dynamic layout). A policy that needs parameters to be built is judged by its
     class."""
-    from kvbench.cache import step_blocker
+    from kvbench.engine.cache import step_blocker
     from kvbench.errors import KvbenchError
     from kvbench.policies import POLICIES, Policy
 

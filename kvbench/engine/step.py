@@ -14,7 +14,7 @@ slots of its buffer, of which the free ones (its `PADDING` stat) are masked. The
 Nothing in the step reads the device back or allocates: the write slots and the position of the token live on the
 device, and the host counts what each head holds by the same rules (`SlotRule.account`), for the records. So a step's
 shapes never change, and it compiles to one graph (`Stepper`). The rules keep the cache's semantics exactly: a head
-evicts when it holds `every` entries beyond its budget, down to the budget, as `kvbench/eviction.py` decides it.
+evicts when it holds `every` entries beyond its budget, down to the budget, as `kvbench/engine/eviction.py` decides it.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvbench.layer import PADDING, LayerKV
+from kvbench.engine.layer import PADDING, LayerKV
 
 if TYPE_CHECKING:
-    from kvbench.cache import KVCache
+    from kvbench.engine.cache import KVCache
 
 
 @dataclass
@@ -234,8 +234,8 @@ def enter(layer: LayerKV, rule: SlotRule, exact: bool) -> None:
 
 
 def leave(layer: LayerKV) -> None:
-    """Back to the dynamic layout (kvbench/layer.py): each head's entries first, in slot order, the layer as wide as
-    its widest head; the buffer stays."""
+    """Back to the dynamic layout (kvbench/engine/layer.py): each head's entries first, in slot order, the layer as
+    wide as its widest head; the buffer stays."""
     static, layer.static = layer.static, None
     assert static is not None
     padding = layer.slot_stats[PADDING]
