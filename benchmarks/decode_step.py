@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from stats_scaling import load_layers
@@ -149,6 +151,7 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--json-out", type=Path, help="also write the rows as JSON (benchmarks/gpu/check.py reads it)")
     args = parser.parse_args()
 
     lm = load_layers(args.model, args.layers, device=args.device, dtype=args.dtype)
@@ -157,6 +160,8 @@ def main() -> None:
     print(f"model {args.model} ({lm.num_layers} layers, {lm.kv_heads} KV heads x {lm.head_dim}, {lm.dtype}), "
           f"device {lm.device}, {torch.get_num_threads()} threads; budget {args.budget}; copy bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s; weights {weights / 2**20:.0f} MiB")
+    report: dict = {"model": args.model, "layers": lm.num_layers, "dtype": str(lm.dtype), "device": str(lm.device),
+                    "budget": args.budget, "bandwidth": bandwidth, "weights": weights, "contexts": {}}
     for context in args.contexts:
         generator = torch.Generator().manual_seed(context)
         ids = torch.randint(100, lm.model.config.vocab_size, (context,), generator=generator).tolist()
@@ -166,17 +171,23 @@ def main() -> None:
         print(f"\ncontext {context}: shared prefill {time.perf_counter() - start:.0f} s")
         rows = {name: measure(lm, shared, ids, name, args.budget, args.steps)
                 for name in args.policies}
+        for row in rows.values():
+            row["floor"] = (weights + row["kv_read"]) / bandwidth
+        report["contexts"][context] = rows
         full = rows.get("full")
         print(f"{'policy':<14}{'ops/layer':>10}{'+full':>7}{'syncs':>6}{'graphs':>7}{'new':>4}{'eager ms':>10}"
               f"{'x full':>7}{'compiled ms':>12}{'x full':>7}{'floor ms':>9}{'x floor':>8}")
         for name, row in rows.items():
-            floor = (weights + row["kv_read"]) / bandwidth
+            floor = row["floor"]
             best = row.get("compiled", row["eager"])
             compiled = f"{row['compiled'] * 1e3:12.2f}{row['compiled'] / full['eager']:7.2f}" if "compiled" in row \
                 else f"{'(eager: ' + row['blocker'][:10] + ')':>19}"
             print(f"{name:<14}{row['ops']:10.1f}{row['ops'] - full['ops'] if full else 0:+7.1f}{row['syncs']:6d}"
                   f"{row.get('graphs', '-'):>7}{row.get('new', '-'):>4}{row['eager'] * 1e3:10.2f}"
                   f"{row['eager'] / full['eager'] if full else 1:7.2f}{compiled}{floor * 1e3:9.2f}{best / floor:8.2f}")
+
+    if args.json_out:
+        args.json_out.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ Each check is one line, passed, failed or skipped (what it cannot check here, an
   memory     the counted cache bytes are the bytes of its tensors; on a GPU the allocator's peak covers them, NVML's
              device peak covers the allocator's, a cap below the weights is refused, an out-of-memory under a cap
              is caught and its memory released; the NVML sampler's rate and its cost on a decode step
+  compiled   a decode step compiled whole (`--compile`: torch.compile, CUDA graphs on a GPU) decodes what the eager
+             one decodes, under a policy evicting at every step
   timing     a decode step of `full` within `TIMING_LIMIT` of `model.generate`'s
 The report (`--json`, `--json-out`) carries versions, device (name, UUID, MIG slice), dtype and kernel with every
 number. `--no-timing` reports `timing` skipped: a speed verdict is only fair on cores no other work shares.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -37,7 +40,8 @@ from kvbench.settings import RunSettings
 # parity, tests and plugins import the kept sets' and the generations' names from here too
 __all__ = [
     "BUDGET_RATIO", "Check", "CheckSettings", "DTYPE_AGREEMENT_MEAN", "NVML_RATE_HZ", "RELEASE_SLACK", "Status",
-    "TIE_TOLERANCE", "TIMING_LIMIT", "agreement", "check_cap_below_weights", "check_cpu_limit", "check_dtype",
+    "TIE_TOLERANCE", "TIMING_LIMIT", "agreement", "check_cap_below_weights", "check_compiled", "check_cpu_limit",
+    "check_dtype",
     "check_generate", "check_layers", "check_memory", "check_oom_released", "check_policy", "check_sampler",
     "check_timing", "check_window", "checkable", "compare_generations", "default_context", "device_facts",
     "judge_allocator", "judge_counted", "judge_nvml", "kept_channels", "kept_history", "kept_masks",
@@ -125,6 +129,7 @@ def _all_checks(lm: LoadedModel, settings: CheckSettings, prompts: dict[str, lis
         for label, prompt in prompts.items():
             yield check_policy(lm, name, prompt, decode, label)
     yield check_dtype(lm, prompts["long"], decode)
+    yield check_compiled(lm, prompts["short"], settings)
     yield from check_memory(lm, prompts["long"], prompts["short"])
     yield check_timing(lm, prompts["short"], settings)
 
@@ -158,6 +163,23 @@ def check_window(lm: LoadedModel, prompt: list[int], settings: CheckSettings) ->
     passed &= evictions == 0
     return Check("window", _status(passed), f"window of {budget} over a {len(prompt)}-token prompt against full: "
                  f"{text}; {evictions} evictions", {**numbers, "evictions": evictions})
+
+
+def check_compiled(lm: LoadedModel, prompt: list[int], settings: CheckSettings) -> Check:
+    """H2O, evicting at every decode step, eager and compiled: the same tokens, logits within the model's rounding
+    (the compiler orders sums its own way)."""
+    budget = max(1, round(BUDGET_RATIO * len(prompt)))
+    eager = kvbench_generate(lm, "h2o", prompt, settings.new_tokens, budget, until_eos=False)
+    started, compiled_before = time.perf_counter(), lm.compile
+    lm.compile = True
+    try:
+        compiled = kvbench_generate(lm, "h2o", prompt, settings.new_tokens, budget, until_eos=False)
+    finally:
+        lm.compile = compiled_before
+    seconds = time.perf_counter() - started
+    passed, text, numbers = compare_generations(eager[:2], compiled[:2], logit_limit(lm))
+    return Check("compiled", _status(passed), f"h2o at {budget} of {len(prompt)} tokens compiled against eager: {text} "
+                 f"(compiling and running took {seconds:.0f} s)", {**numbers, "seconds": seconds})
 
 
 def check_layers(lm: LoadedModel, prompt: list[int]) -> Check:

@@ -153,3 +153,14 @@ def test_a_policy_with_a_reference_is_checkable_without_editing_check(tiny_llama
     result = check.check_policy(tiny_llama, "sinks_plugin", check.prompt_tokens(tiny_llama, 68)[:64],
                                 check.prompt_tokens(tiny_llama, 68)[64:], "short")
     assert settings.policies == ("sinks_plugin",) and result.status == "pass", result.detail
+
+
+def test_a_compiled_step_that_decodes_otherwise_fails_compiled(sharp_llama, monkeypatch):
+    import kvbench.engine.session as engine_session
+
+    def off_by_a_little(lm, cache, ids):  # the compiled step, its logits off by more than the model's rounding
+        return engine_session.static_step(lm, cache, ids) * 1.01
+
+    monkeypatch.setattr(engine_session, "compiled_step", lambda device: off_by_a_little)
+    result = check.check_compiled(sharp_llama, check.prompt_tokens(sharp_llama, 64), SETTINGS)
+    assert result.status == "fail" and "compiled against eager" in result.detail

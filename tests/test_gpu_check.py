@@ -82,6 +82,10 @@ def clean_run(out: Path) -> dict[str, dict]:
     (out / "check.json").write_text(json.dumps({"checks": [
         {"name": "generate.long", "status": "pass", "detail": "16 of 16 tokens equal", "numbers": {}},
         {"name": "memory.oom", "status": "pass", "detail": "out of memory caught", "numbers": {}}]}))
+    (out / "decode.exit").write_text("0\n")
+    (out / "decode.json").write_text(json.dumps({"contexts": {"32768": {
+        name: {"syncs": 0, "eager": 0.02, "compiled": 0.008, "graphs": 1, "new": 0, "floor": 0.006}
+        for name in ("full", "h2o")}}}))
     return {**sweep, **pressure, **load}
 
 
@@ -179,6 +183,12 @@ def pynvml_missing(out, cells):
     (out / "facts.exit").write_text("1\n")
 
 
+def a_step_that_recompiles_and_waits(out, cells):
+    report = json.loads((out / "decode.json").read_text())
+    report["contexts"]["32768"]["h2o"].update(new=3, syncs=2)
+    (out / "decode.json").write_text(json.dumps(report))
+
+
 BREAKAGES = [  # (how a run goes wrong, the problem check.py must report)
     (nvml_below_allocator, "sweep: h2o b=1024 L=32768 (-) niah-32768-d0.5-s0: NVML device peak 19.00 GiB below the "
                            "allocator's 20.00 GiB"),
@@ -197,6 +207,7 @@ BREAKAGES = [  # (how a run goes wrong, the problem check.py must report)
     (a_self_check_failed, "check: memory.oom: 131072 tokens ran under a cap of 17.00 GiB: no out-of-memory"),
     (self_check_ran_out_of_time, "check: kvbench check ran out of its time budget (exit 124)"),
     (pynvml_missing, "facts: importing torch, transformers and nvidia-ml-py exited 1"),
+    (a_step_that_recompiles_and_waits, "decode: h2o at 32768: 2 host syncs"),
 ]
 
 
@@ -233,7 +244,7 @@ def test_the_shipped_configs_cover_llama_3_8b_at_32k_and_a_level_that_must_run_o
 def test_the_script_runs_every_step_check_py_judges_within_10_minutes():
     script = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
     budgets = dict(re.findall(r"^\s*step (\w+) (\d+) ", script, flags=re.M))
-    assert set(budgets) == {check.FACTS_STEP, *check.RUNS, check.SELF_CHECK}
+    assert set(budgets) == {check.FACTS_STEP, *check.RUNS, check.SELF_CHECK, check.DECODE_STEP}
     # + the estimate and check.py; the machine's start takes some of its 15 minutes
     assert sum(int(seconds) for seconds in budgets.values()) + 30 <= 10 * 60
     assert 'benchmarks/gpu/check.py "$out"' in script and 'tee "$out/check.log"' in script

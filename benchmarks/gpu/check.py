@@ -29,6 +29,7 @@ from typing import Any
 from kvbench.results import RunFolder
 
 FACTS_STEP = "facts"  # torch, transformers and nvidia-ml-py import
+DECODE_STEP = "decode"  # benchmarks/decode_step.py, its rows in OUT/decode.json
 RUNS = ("sweep", "pressure", "load")  # the run folders gpu_check.sh writes under OUT, each with its OUT/<run>.exit
 SELF_CHECK = "check"  # `kvbench check`, its report in OUT/check.json
 EXPECTED_TRANSFORMERS = "5.17."
@@ -185,6 +186,26 @@ def check_self(out: Path, verdict: Verdict) -> None:
                              "FAIL" if line["status"] == "fail" else "ok"])
 
 
+def check_decode(out: Path, verdict: Verdict) -> None:
+    """benchmarks/decode_step.py's rows (OUT/decode.json): each policy's step eager and compiled against its
+    bandwidth floor; a problem for a step that waits for the host or is compiled again after warm-up."""
+    status = step_status(out, DECODE_STEP)
+    if status:
+        verdict.problems.append(f"{DECODE_STEP}: decode_step.py {status}")
+    path = out / f"{DECODE_STEP}.json"
+    if not path.exists():
+        verdict.problems.append(f"{DECODE_STEP}: no report ({path} missing)")
+        return
+    for context, rows in json.loads(path.read_text())["contexts"].items():
+        for name, row in rows.items():
+            wrong = [f"{row['syncs']} host syncs"] if row["syncs"] else []
+            wrong += [f"{row['new']} graphs after warm-up"] if row.get("new") else []
+            verdict.problems += [f"{DECODE_STEP}: {name} at {context}: {what}" for what in wrong]
+            compiled = f"{row['compiled'] * 1e3:.1f} ms compiled" if "compiled" in row else "not compiled"
+            verdict.rows.append([DECODE_STEP, f"{name} L={context}", "-", f"{row['eager'] * 1e3:.1f} ms eager",
+                                 compiled, f"floor {row['floor'] * 1e3:.1f} ms", "", "FAIL" if wrong else "ok"])
+
+
 def check(out: Path) -> Verdict:
     """The verdict on everything gpu_check.sh left in `out`."""
     verdict = Verdict()
@@ -194,6 +215,7 @@ def check(out: Path) -> Verdict:
     check_self(out, verdict)
     for run in RUNS:
         check_run(out, run, verdict)
+    check_decode(out, verdict)
     return verdict
 
 
