@@ -382,6 +382,20 @@ class KVCache(Cache):
         self.fed = (seen - pad).to(device)[:, None, None]
         self.position = self.fed - 1
         self.static = True
+        if compiled and device.type == "cuda":
+            self._pin_for_graphs()
+
+    def _pin_for_graphs(self) -> None:
+        """Tell the compiler the static step's tensors keep their addresses from step to step, so that its CUDA
+        graphs read and write them in place (a graph copies the inputs it does not know to be static)."""
+        state = [self.position, self.fed]
+        for layer in self.layers:
+            static = layer.slots
+            state += [layer.keys, layer.values, layer.positions, *layer.slot_stats.values(), static.write]
+            held = getattr(static.rule, "held", None)
+            state += [held] if held is not None else []
+        for tensor in state:
+            torch._dynamo.mark_static_address(tensor)
 
     @torch.inference_mode()
     def leave_static(self) -> None:
@@ -404,10 +418,11 @@ class KVCache(Cache):
         for layer in self.layers:
             layer.slots.rule.next_slot(self, layer)
 
-    def account_step(self) -> None:
+    def account_step(self, compiled: bool = False) -> None:
         """After a static step, on the host: what each head of each layer holds, the evictions, the rows' accounts
         and the bytes read, by the layers' rules (as `compress` and `LayerKV._append` count them)."""
         self.reads.steps += 1
+        reallocated = False
         heads = self.batch_heads_dim[1]
         for layer in self.layers:
             static, index = layer.slots, layer.layer_idx
@@ -433,6 +448,9 @@ class KVCache(Cache):
                 target = self.capacity_for(int(after.max()), index)
                 if layer.capacity >= 2 * target:
                     layer._reallocate(target)
+                    reallocated = True
+        if reallocated and compiled and self.layers[0].device.type == "cuda":
+            self._pin_for_graphs()
         if any(not same_rule(layer.slots.rule, rule_for(self, layer)) for layer in self.layers):
             self.leave_static()  # a policy bounds a layer now (adaptive at its limit): it compresses at once
             self.compress()

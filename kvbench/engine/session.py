@@ -243,7 +243,9 @@ class Session:
         self._enter(Phase.DECODE)
         if self.cache.prepare_step(compiled=self.lm.compile):
             logits = (compiled_step(self.lm.device) if self.lm.compile else static_step)(self.lm, self.cache, ids)
-            self.cache.account_step()
+            if self.lm.compile and self.lm.device.type == "cuda":
+                logits = logits.clone()  # a CUDA graph's output is overwritten by its next replay
+            self.cache.account_step(compiled=self.lm.compile)
             self.logits = logits
         else:
             logits = self._forward(ids)[:, -1]
