@@ -17,6 +17,19 @@ def sharpen(lm, factor: float = 12.0):
     return lm
 
 
+@pytest.fixture
+def fresh_inductor(tmp_path, monkeypatch):
+    """Inductor compiling afresh into a cache of the test's own: its on-disk cache does not tell kernels built under
+    one ATEN_CPU_CAPABILITY from another's (the reduction-order lane runs the tests again under another)."""
+    import kvbench.engine.session as engine_session
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(engine_session, "_COMPILED", {})
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     return load_model("random:tiny-llama", dtype="float32", device="cpu")

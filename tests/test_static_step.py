@@ -213,7 +213,7 @@ def test_a_compiled_step_is_one_graph_kept_across_evicting_steps(tiny_llama, com
     assert not compiled_on_dynamo["graph_break"]
 
 
-def test_inductor_compiles_a_step_that_matches_the_eager_one(tiny_llama):
+def test_inductor_compiles_a_step_that_matches_the_eager_one(tiny_llama, fresh_inductor):
     """The real compiler (inductor's generated code), on one policy that evicts while decoding."""
     settings = RunSettings(budget=40)
     eager = generate(tiny_llama, tiny_policy("h2o"), PROMPT, [], settings, max_new_tokens=24, eos_token_ids=set())
