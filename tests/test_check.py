@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 import kvbench.policies.snapkv
 from kvbench import check
 from kvbench.cli import app
+from kvbench.models import load_model
 
 pytestmark = pytest.mark.usefixtures("fresh_inductor")  # kvbench check compiles a decode step
-from kvbench.models import load_model
 
 SETTINGS = check.CheckSettings(short=64, long=200, new_tokens=6, decode_steps=4)
 
