@@ -25,7 +25,6 @@ says why); its compiled columns say so. CPU times are noisy: read the ratios mea
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import statistics
 import time
@@ -33,48 +32,16 @@ from pathlib import Path
 
 import torch
 from stats_scaling import load_layers
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvbench.cache import step_blocker
-from kvbench.measure import synchronize
+from kvbench.measure import StepWork, synchronize
 from kvbench.policies import build_policy
 from kvbench.session import RunSettings, Session, shared_prefill
 
 POLICIES = {"full": ("full", {}), "window": ("window", {}), "streaming_llm": ("streaming_llm", {}),
             "snapkv": ("snapkv", {}), "h2o": ("h2o", {}), "tova": ("tova", {}), "ada_kv": ("ada_kv", {}),
             "quant-4": ("quant", {"bits": 4})}
-HOST_READS = {"tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__index__", "__float__", "__array__"}
-SYNCING_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default"}
 WARM = 8
-
-
-class Counted(TorchDispatchMode):
-    """The aten ops dispatched, and those that make the host wait for the device."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-        self.syncs: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        if str(func) in SYNCING_OPS:
-            self.syncs[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
-class HostReads(TorchFunctionMode):
-    """Python's reads of tensor values (which wait for the device), before they reach the dispatcher."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads: collections.Counter[str] = collections.Counter()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in HOST_READS:
-            self.reads[func.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -120,11 +87,10 @@ def measure(lm, shared, ids, name: str, budget: int, steps: int) -> dict:
     with eager:
         for _ in range(WARM):
             eager.step(7)
-        counted, host = Counted(), HostReads()
-        with host, counted:
+        with StepWork() as work:
             eager.step(7)
         eager_times, _, _ = timed_steps(eager, steps)
-    row = {"ops": counted.ops / lm.num_layers, "syncs": sum(host.reads.values()) + sum(counted.syncs.values()),
+    row = {"ops": work.ops / lm.num_layers, "syncs": sum(work.syncs.values()),
            "eager": statistics.median(eager_times), "kv_read": eager.measurements()["kv_bytes_read"],
            "blocker": step_blocker(session.policy)}
     if row["blocker"] is None:

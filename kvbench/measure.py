@@ -15,15 +15,18 @@ the GPUs ever held together: it is what they must have between them, each device
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import psutil
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # a list that every PeakMemory appends its time series to, while `tracing()` is active
 _TRACES: contextvars.ContextVar[list | None] = contextvars.ContextVar("kvbench_traces", default=None)
@@ -310,3 +313,47 @@ class PeakMemory:
         if traces is not None and self._sampler:
             columns = ["seconds", "device_used", "gpu_util", "power_w"] if self._nvml else ["seconds", "bytes"]
             traces.append({"columns": columns, "rows": self._sampler.series})
+
+
+# Python's reads of a tensor's value, and the aten ops that hand one to the host: each makes the host wait for the
+# device's queue to drain
+HOST_READS = frozenset({"tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__index__", "__float__", "__array__"})
+SYNCING_OPS = frozenset({"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default"})
+
+
+class StepWork(TorchDispatchMode):
+    """What the code run inside `with StepWork() as work:` asks of the device: `ops`, the aten ops dispatched, and
+    `syncs`, each read of a device value by the host, by name (counted, so it does not depend on the machine)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.syncs: collections.Counter[str] = collections.Counter()
+        self._reads = _HostReads(self.syncs)
+
+    def __enter__(self) -> StepWork:
+        self._reads.__enter__()
+        return cast(StepWork, super().__enter__())
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self._reads.__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        if str(func) in SYNCING_OPS:
+            self.syncs[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _HostReads(TorchFunctionMode):
+    """`StepWork`'s reads of tensor values from Python, before they reach the dispatcher."""
+
+    def __init__(self, reads: collections.Counter[str]) -> None:
+        super().__init__()
+        self.reads = reads
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", "") in HOST_READS:
+            self.reads[func.__name__] += 1
+        return func(*args, **(kwargs or {}))
