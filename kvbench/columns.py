@@ -142,6 +142,12 @@ COLUMNS = [
       for name, label in (("ttft", "time to first token"), ("tpot", "time per output token"), ("e2e", "latency"),
                           ("queue", "queue wait")) for q in (50, 90, 99)),
     Column("load_rate", "requests/s", "summary", axis="arrival rate (requests/s)"),
+    Column("rate_searched", "bool", "summary"),
+    Column("load_attainment", "fraction", "summary"),
+    # `rates: auto`: the highest Poisson rate at which the cell's attainment of requests met the SLO (NaN: none)
+    Column("sustained_rate", "requests/s", "serving", "service", better="higher",
+           shown={"markdown": Display("sustained/s", ".3g", when_above=-1)}),
+    Column("missed_rate", "requests/s", "serving", "service"),  # a search's lowest rate that did not hold
     Column("concurrency_mean", "requests", "serving", "service",
            shown={"markdown": Display("running", ".1f", when_above=-1)}),
     Column("concurrency_peak", "requests", "serving", "service"),
@@ -159,6 +165,7 @@ COLUMNS = [
     Column("arrival_s", "s", "serving"),
     Column("e2e_s", "s", "serving"),
     Column("queue_s", "s", "serving"),
+    Column("times_preempted", "count", "serving"),  # the request's own; its cell's total is `preemptions`
     Column("request", "index", "serving"),
     Column("attempt", "id", "sweep"),  # a load cell's run that wrote the record (a rerun after a kill is another)
     Column("generated_tokens", "tokens", "measurements"),  # the summary pairs it into length_ratio

@@ -82,13 +82,28 @@ class SloConfig(Strict):
     tpot_s: float | None = Field(None, gt=0)
 
 
+# a rate is sustained when at least this share of its offered requests finished within the SLO (vLLM's and DistServe's
+# attainment)
+DEFAULT_ATTAINMENT = 0.9
+
+
+class RateSearch(Strict):
+    """How `rates: auto` looks for the highest rate sustained: from `start` requests/s, doubling while a rate holds
+    (up to `limit`), then `refine` halvings of the gap between the last rate that held and the first that did not."""
+
+    start: float = Field(0.1, gt=0)
+    limit: float = Field(12.8, gt=0)
+    refine: int = Field(2, ge=0, le=8)
+
+
 class LoadConfig(Strict):
     """Cells under load (kvbench/serving.py), one per arrival rate (Poisson, requests/s) or closed loop of `users`, or
     one replaying a `trace` file: `requests` drawn from the task's samples (a trace's: one per line) share a KV pool
     (`kv_pool`: bytes as `512MiB`, or `4096 tokens` of the model's full cache; or `pressure`, a share of the GPU
-    memory free when the cell starts)."""
+    memory free when the cell starts). `rates: auto` makes one cell per setting that searches for the highest
+    Poisson rate at which at least `attainment` of the requests meet the SLO (`search`)."""
 
-    rates: list[float] | None = Field(None, min_length=1)
+    rates: list[float] | Literal["auto"] | None = None
     users: list[int] | None = Field(None, min_length=1)
     trace: str | None = None  # JSON lines: arrival_s, and optionally prompt and max_tokens
     requests: int = Field(32, gt=0)
@@ -98,6 +113,8 @@ class LoadConfig(Strict):
     timeout_s: float | None = Field(None, gt=0)
     max_queue: int | None = Field(None, gt=0)
     horizon_s: float | None = Field(None, gt=0)
+    attainment: float = Field(DEFAULT_ATTAINMENT, gt=0, le=1)  # the share of requests within the SLO that holds a rate
+    search: RateSearch = RateSearch()
 
     @model_validator(mode="after")
     def _arrivals(self) -> LoadConfig:
@@ -108,8 +125,13 @@ class LoadConfig(Strict):
             from kvbench.serving import read_trace
 
             _checked(read_trace, self.trace)
-        if any(rate <= 0 for rate in self.rates or []) or any(users < 1 for users in self.users or []):
+        listed = self.rates if isinstance(self.rates, list) else []
+        if self.rates == [] or any(rate <= 0 for rate in listed) or any(users < 1 for users in self.users or []):
             raise ValueError(f"rates must be positive and users at least 1, got {self.rates or self.users}")
+        if self.rates == "auto" and self.slo.ttft_s is None and self.slo.tpot_s is None:
+            raise ValueError("rates: auto searches for the rate sustained at the SLO: give slo.ttft_s or slo.tpot_s")
+        if self.search.start > self.search.limit:
+            raise ValueError(f"search.start {self.search.start:g} is above search.limit {self.search.limit:g}")
         if self.kv_pool is not None and self.pressure is not None:
             raise ValueError("give 'kv_pool' or 'pressure', not both")
         if self.kv_pool is not None:
@@ -122,11 +144,14 @@ class LoadConfig(Strict):
         """Each load cell's `load` description: its arrivals, and what every cell of the sweep shares."""
         from kvbench.serving import read_trace
 
-        shared = self.model_dump(exclude={"rates", "users", "trace"})
+        # a search's own settings name the cells that read them: a search's, and any whose config gives them
+        unread = set() if self.rates == "auto" else {"attainment", "search"} - self.model_fields_set
+        shared = self.model_dump(exclude={"rates", "users", "trace", *unread})
         # a trace is named by its content too, so an edited trace is a new cell
         traced = [] if self.trace is None else [{"trace": self.trace, "trace_sha256": _file_digest(self.trace),
                                                   **shared, "requests": len(read_trace(self.trace))}]
-        return [{"rate": rate, **shared} for rate in self.rates or []] + \
+        rates: list[float | str] = ["auto"] if self.rates == "auto" else list(self.rates or [])
+        return [{"rate": rate, **shared} for rate in rates] + \
             [{"users": users, **shared} for users in self.users or []] + traced
 
 

@@ -8,7 +8,9 @@ cell's."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,7 +29,8 @@ def cell_load(lm: LoadedModel, cell: Cell, trace: list[TraceRequest] | None) -> 
     """The `Load` a cell's `load` description gives on `lm` (its pool resolved; a trace's arrivals)."""
     d = cell.description
     spec = d["load"]
-    return Load(requests=spec["requests"], rate=spec.get("rate"),
+    rate = spec.get("rate")
+    return Load(requests=spec["requests"], rate=None if rate == "auto" else rate,
                 users=spec.get("users"), arrivals=None if trace is None else tuple(t.arrival_s for t in trace),
                 pool_bytes=pool_bytes(lm, spec["kv_pool"], spec["pressure"]), timeout_s=spec["timeout_s"],
                 max_queue=spec["max_queue"], horizon_s=spec["horizon_s"], slo_ttft_s=spec["slo"]["ttft_s"],
@@ -43,10 +46,85 @@ def drawn_samples(samples: list[Sample], count: int, seed: int) -> list[Sample]:
 def run_load(lm: LoadedModel, task: Task, cell: Cell, samples: list[Sample],
              on_step: Callable[[int, int], None] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Serve the cell's requests: the finished requests' records, and the cell's `load` (`service_metrics`) and
-    `timeline` (one entry per decode step)."""
+    `timeline` (one entry per decode step). A search (`rate: auto`) serves them at each rate it tries
+    (`searched_rates`); its records and service are those of the highest rate that held (the lowest tried where none
+    did), and its `load` adds `sustained_rate` (None where none held), `missed_rate` (the lowest that did not hold;
+    None where the search reached its limit) and what every rate tried measured."""
+    spec = cell.description["load"]
+    if spec.get("rate") != "auto":
+        served = _serve(lm, task, cell, samples, spec.get("rate"), on_step)
+        return served.records, {"load": served.metrics, "timeline": served.timeline}
+    tries: dict[float, _Served] = {}
+
+    def attained(rate: float) -> float:
+        tries[rate] = _serve(lm, task, cell, samples, rate, on_step)
+        return tries[rate].metrics["slo_attained"] or 0.0
+
+    held, tried = searched_rates(attained, spec["search"], spec["attainment"])
+    chosen = tries[tried[0] if held is None else held]
+    summary = [{"rate": rate, **{key: tries[rate].metrics[key] for key in TRIED}, "score": tries[rate].score}
+               for rate in sorted(tried)]
+    missed = min((rate for rate in tried if tries[rate].metrics["slo_attained"] is None or
+                  tries[rate].metrics["slo_attained"] < spec["attainment"]), default=None)
+    service = {**chosen.metrics, "rate": tried[0] if held is None else held, "sustained_rate": held,
+               "missed_rate": missed, "attainment": spec["attainment"], "tried": summary}
+    return chosen.records, {"load": service, "timeline": chosen.timeline}
+
+
+# what a search keeps of each rate it tried, beside the mean score of its answers
+TRIED = ("slo_attained", "goodput", "ttft_p99", "tpot_p99", "finished", "rejected")
+
+
+def searched_rates(attained: Callable[[float], float], search: dict[str, Any], attainment: float
+                   ) -> tuple[float | None, list[float]]:
+    """The highest rate that held (`attained(rate)`, the share of requests within the SLO, at least `attainment`)
+    and every rate tried, in order: from `search["start"]`, doubling while a rate holds, up to `search["limit"]`,
+    then `search["refine"]` halvings of the gap between the last rate that held and the first that did not (as a
+    serving benchmark finds the highest rate sustained: its curve rises with the rate until it falls off). None: the
+    first rate did not hold."""
+    held: float | None = None
+    failed: float | None = None
+    rate, tried = float(search["start"]), []
+    while True:
+        tried.append(rate)
+        if attained(rate) < attainment:
+            failed = rate
+            break
+        held = rate
+        if rate * 2 > search["limit"]:
+            break
+        rate *= 2
+    for _ in range(search["refine"] if held is not None and failed is not None else 0):
+        assert held is not None and failed is not None
+        rate = round((held + failed) / 2, 6)
+        tried.append(rate)
+        if attained(rate) >= attainment:
+            held = rate
+        else:
+            failed = rate
+    return held, tried
+
+
+@dataclass
+class _Served:
+    records: list[dict[str, Any]]
+    metrics: dict[str, Any]
+    timeline: list[dict[str, Any]]
+
+    @property
+    def score(self) -> float:
+        """The mean score of the answers (NaN: none finished, or a trace's own prompts)."""
+        values = [r["scores"]["score"] for r in self.records]
+        return float(np.mean(values)) if values else float("nan")
+
+
+def _serve(lm: LoadedModel, task: Task, cell: Cell, samples: list[Sample], rate: float | None,
+           on_step: Callable[[int, int], None] | None) -> _Served:
+    """The cell's requests served at `rate` (its own arrivals where None: users or a trace), and their records."""
     d = cell.description
     trace = read_trace(d["load"]["trace"]) if "trace" in d["load"] else None
-    policy, settings, load = cell.policy(), cell.settings(), cell_load(lm, cell, trace)
+    policy, settings = cell.policy(), cell.settings()
+    load = dataclasses.replace(cell_load(lm, cell, trace), rate=rate)
     drawn = drawn_samples(samples, load.requests, d["seed"])
     limits = [settings.max_new_tokens or sample.max_new_tokens for sample in drawn]
     if trace is not None:  # a trace's own prompts and output limits
@@ -70,4 +148,4 @@ def run_load(lm: LoadedModel, task: Task, cell: Cell, samples: list[Sample],
         row = record(lm, task, policy, sample, settings, d["context_length"], d["seed"], generation,
                      outcome=unscored if sample.id.startswith("trace-") else None)
         records.append({**row, "sample_id": f"{request.index:04d}:{sample.id}", "request": request.index})
-    return records, {"load": service_metrics(served, load), "timeline": served.timeline}
+    return _Served(records, service_metrics(served, load), served.timeline)

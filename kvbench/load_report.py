@@ -11,10 +11,6 @@ import pandas as pd
 
 from kvbench.columns import column as declared
 
-# a rate is sustained when at least this share of its offered requests finished within the SLO
-SUSTAINED = 0.9
-
-
 def load_figures(plt, frame: pd.DataFrame, statuses: dict[str, dict[str, Any]], panels, colour, label
                  ) -> dict[str, Any]:
     """Name -> figure for the load cells of `frame` (none without them). `statuses`: the cells' final status lines
@@ -28,9 +24,9 @@ def load_figures(plt, frame: pd.DataFrame, statuses: dict[str, dict[str, Any]], 
         figure, axes = panels(2, 1)
         for axis, measure in ((axes[0], "goodput"), (axes[1], "ttft_p99")):
             for (name, budget), series in rows.groupby([rows.apply(label, axis=1), "budget"], sort=False):
-                series = series.sort_values("load_rate")
-                axis.plot(series["load_rate"], series[measure], marker="o", alpha=0.8,
-                          color=colour(series["policy"].iloc[0]), label=name if budget == "-" else f"{name} b={budget}")
+                rates, values = _against_rate(series, statuses, measure)
+                axis.plot(rates, values, marker="o", alpha=0.8, color=colour(series["policy"].iloc[0]),
+                          label=name if budget == "-" else f"{name} b={budget}")
             axis.set(xlabel=declared("load_rate").axis, ylabel=declared(measure).axis)
             axis.grid(alpha=0.3)
         axes[0].legend(fontsize="x-small")
@@ -39,6 +35,18 @@ def load_figures(plt, frame: pd.DataFrame, statuses: dict[str, dict[str, Any]], 
         for rate, at_rate in rows.groupby("load_rate", sort=True):
             out[f"load_timeline_{task}_rate_{rate:g}"] = _timeline(at_rate, statuses, panels, colour, label)
     return out
+
+
+def _against_rate(series: pd.DataFrame, statuses: dict[str, dict[str, Any]], measure: str
+                  ) -> tuple[list[float], list[float]]:
+    """`measure` of one setting's load cells against their rates, in rate order: a cell of a given rate is one point,
+    a search (`rates: auto`) every rate it tried."""
+    points: dict[float, float] = {}
+    for _, row in series.iterrows():
+        tried = statuses.get(row["cell_id"], {}).get("load", {}).get("tried") if row["rate_searched"] else None
+        points.update({t["rate"]: t[measure] for t in tried} if tried else {row["load_rate"]: row[measure]})
+    rates = sorted(points)
+    return rates, [np.nan if points[rate] is None else points[rate] for rate in rates]
 
 
 # what a service monitors, a panel each: the timeline's key, its scale and its axis label
@@ -73,20 +81,30 @@ def _timeline(rows: pd.DataFrame, statuses: dict[str, dict[str, Any]], panels, c
 
 
 def sustained_lines(frame: pd.DataFrame, label) -> list[str]:
-    """Per task and setting (policy, parameters, budget) of the load cells, the highest arrival rate at which at
-    least `SUSTAINED` of the requests finished within the SLO, with its goodput, p99 TTFT and mean score."""
+    """Per task and setting (policy, parameters, budget) of the load cells, the highest arrival rate sustained, the
+    rate at which at least the cell's attainment of the requests finished within the SLO (a search's own finding, or
+    the highest of the rates run), with its goodput, p99 TTFT and mean score there."""
     loaded = frame[frame["load_rate"].notna()]
     lines = []
     for task, rows in loaded.groupby("task", sort=False):
         for (name, budget), series in rows.groupby([rows.apply(label, axis=1), "budget"], sort=False):
             setting = name if budget == "-" else f"{name} at {budget}"
-            held = series[series["slo_attained"] >= SUSTAINED].sort_values("load_rate")
+            searched = series[series["rate_searched"]]
+            if not searched.empty:
+                found = searched.iloc[0]
+                held = searched if pd.notna(found["sustained_rate"]) else searched.iloc[:0]
+            else:
+                held = series[series["slo_attained"] >= series["load_attainment"]].sort_values("load_rate")
             if held.empty:
                 lines.append(f"{task}: {setting} sustains none of the rates run at the SLO (lowest: "
                              f"{series['load_rate'].min():g} req/s).")
                 continue
             best = held.iloc[-1]
-            lines.append(f"{task}: {setting} sustains {best['load_rate']:g} req/s at the SLO (goodput "
-                         f"{best['goodput']:.2f}/s, p99 TTFT {best['ttft_p99']:.2f} s, {best['preemptions']:.0f} "
-                         f"preempted, {best['rejected']:.0f} rejected; score {best['score']:.2f}).")
+            bound = "" if not best["rate_searched"] else ", the search's limit" if pd.isna(best["missed_rate"]) \
+                else f", not {best['missed_rate']:.3g}"
+            lines.append(f"{task}: {setting} sustains {best['load_rate']:.3g} req/s at the SLO "
+                         f"({best['load_attainment']:.0%} within it{bound}; "
+                         f"goodput {best['goodput']:.2f}/s, p99 TTFT {best['ttft_p99']:.2f} s, "
+                         f"{best['preemptions']:.0f} preempted, {best['rejected']:.0f} rejected; score "
+                         f"{best['score']:.2f}).")
     return lines

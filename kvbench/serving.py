@@ -84,7 +84,7 @@ class Request:
     first_token_s: float | None = None  # its first token, as the client received it
     finished_s: float | None = None
     tokens: list[int] = field(default_factory=list)
-    preemptions: int = 0
+    times_preempted: int = 0  # this request's own preemptions (the service's total: `Served.preemptions`)
     rejected: str | None = None  # why it was turned away: one of REJECTED
     offered: bool = True  # False: the horizon came before it arrived (or before its closed-loop user sent it)
     session: Session | None = None  # while it runs
@@ -106,7 +106,7 @@ class Request:
             "tpot_s": (self.finished_s - self.first_token_s) / (generated - 1) if generated > 1 else None,
             "e2e_s": self.finished_s - self.arrival_s,
             "queue_s": self.admitted_s - self.arrival_s,
-            "preemptions": self.preemptions,
+            "times_preempted": self.times_preempted,
         }
 
 
@@ -444,7 +444,7 @@ class Service:
             if not self.running:
                 self._reject(newest, "outgrew the pool alone")
                 return
-            newest.preemptions += 1
+            newest.times_preempted += 1
             self.preemptions += 1
             self.queue.appendleft(newest)
 

@@ -16,6 +16,7 @@ import pandas as pd
 from kvbench import columns
 from kvbench.budgets import budget_order, budget_text, threshold_from
 from kvbench.columns import Column, Display, spread, view
+from kvbench.config import DEFAULT_ATTAINMENT
 from kvbench.estimate import human_bytes
 from kvbench.results import RunFolder
 
@@ -168,7 +169,11 @@ def _row(cell_id: str, records: list[dict[str, Any]], status: dict[str, Any] | N
         "threshold": threshold.value if (threshold := threshold_from(budget)) else float("nan"),
         "memory": _memory_label(cell.get("memory")),
         "load": load_label(cell.get("load")),
-        "load_rate": (cell.get("load") or {}).get("rate", float("nan")),  # a load cell's arrivals, requests/s
+        "load_rate": _load_rate(cell, status),
+        "rate_searched": (cell.get("load") or {}).get("rate") == "auto",
+        # the share of requests within the SLO at which a rate holds (the report's "sustained")
+        "load_attainment": (cell.get("load") or {}).get("attainment", DEFAULT_ATTAINMENT) if cell.get("load")
+        else float("nan"),
         "budget_order": budget_order(budget_text(budget)),
         "status": status["status"] if status else "partial",
         # perplexity: lower is better; every other task's score: a fraction where higher is better
@@ -250,11 +255,21 @@ def _memory_label(memory: dict[str, Any] | None) -> str:
 
 
 
+def _load_rate(cell: dict[str, Any], status: dict[str, Any] | None) -> float:
+    """A load cell's Poisson arrivals, requests/s: a search's, the rate it found (its lowest where none held; NaN
+    before it ran); NaN for any other cell."""
+    given = (cell.get("load") or {}).get("rate")
+    found = ((status or {}).get("load") or {}).get("rate")
+    rate = found if given == "auto" else given
+    return float("nan") if rate is None else float(rate)
+
+
 def load_label(load: dict[str, Any] | None) -> str:
     """A load cell's arrivals and pool: `2 req/s, pool 350 KiB`; `-` for any other cell."""
     if load is None:
         return "-"
-    arrivals = f"{load['rate']:g} req/s" if "rate" in load else f"{load['users']} users" if "users" in load \
+    arrivals = f"the rate sustained by {load['attainment']:.0%}" if load.get("rate") == "auto" else \
+        f"{load['rate']:g} req/s" if "rate" in load else f"{load['users']} users" if "users" in load \
         else f"trace {Path(load['trace']).name}"
     pool = f"pool {load['kv_pool']}" if load["kv_pool"] else f"pool {load['pressure']:.0%} free" \
         if load["pressure"] else "no pool"

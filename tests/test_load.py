@@ -14,6 +14,7 @@ import yaml
 from kvbench import calibrate, models
 from kvbench.cli import app
 from kvbench.generation import Prompt, answer, generate
+from kvbench.load import searched_rates
 from kvbench.joint import step_together
 from kvbench.measure import PeakMemory
 from kvbench.models import load_model
@@ -154,7 +155,7 @@ def test_decoding_past_the_pool_preempts_the_newest_and_recomputes_it(tiny_llama
     slot = 2 * tiny_llama.kv_heads * tiny_llama.head_dim * 4 * tiny_llama.num_layers
     served = _serve(tiny_llama, "full", prompts, Load(requests=5, rate=1000.0, pool_bytes=120 * slot))
     assert served.preemptions > 0
-    assert sum(r.preemptions for r in served.requests) == served.preemptions
+    assert sum(r.times_preempted for r in served.requests) == served.preemptions
     for request in served.requests:
         assert request.ended
         if request.finished_s is not None:
@@ -337,7 +338,50 @@ def test_a_load_sweep_killed_mid_run_resumes_with_every_request_counted_once(tmp
     assert counted == {cell_id: status["load"]["finished"] for cell_id, status in statuses.items()}
 
 
+@pytest.mark.parametrize("start, limit, refine, holds_to, held, tried", [
+    (0.1, 12.8, 2, 0.7, 0.7, [0.1, 0.2, 0.4, 0.8, 0.6, 0.7]),  # doubles to the first miss, then halves the gap
+    (0.1, 12.8, 2, 0.65, 0.6, [0.1, 0.2, 0.4, 0.8, 0.6, 0.7]),
+    (0.1, 0.3, 2, 5.0, 0.2, [0.1, 0.2]),  # up to the limit, then nothing to refine
+    (1.0, 12.8, 2, 0.5, None, [1.0]),  # the first rate misses: none held
+])
+def test_a_rate_search_doubles_until_a_rate_misses_then_halves_the_gap(start, limit, refine, holds_to, held, tried):
+    asked = []
+
+    def attained(rate):
+        asked.append(rate)
+        return 0.95 if rate <= holds_to + 1e-9 else 0.5
+
+    found, order = searched_rates(attained, {"start": start, "limit": limit, "refine": refine}, 0.9)
+    assert found == pytest.approx(held) if held is not None else found is None
+    assert order == pytest.approx(tried) and asked == order
+
+
+def test_a_rate_search_cell_records_the_rate_it_found_and_every_rate_it_tried(tmp_path):
+    load = {"rates": "auto", "requests": 4, "kv_pool": "600 tokens", "slo": {"ttft_s": 1.0},
+            "search": {"start": 2, "limit": 64, "refine": 1}}
+    config = write_config(tmp_path, {**LOAD, "policies": ["window"], "load": load})
+    run = tmp_path / "run"
+    sweep(config, run)
+    folder = RunFolder(run)
+    (status,) = folder.cells().values()
+    service = status["load"]
+    tried = {t["rate"]: t for t in service["tried"]}
+    # the search the cell ran is the one its measurements call for, and its records are the rate it found
+    held, order = searched_rates(lambda rate: tried[rate]["slo_attained"], load["search"], 0.9)
+    assert sorted(order) == sorted(tried) and service["sustained_rate"] == held
+    assert service["rate"] == (order[0] if held is None else held)
+    assert len(folder.records()) == service["finished"] == tried[service["rate"]]["finished"]
+    frame = summarize(run)
+    assert frame["rate_searched"].all() and frame["load_rate"].iloc[0] == service["rate"]
+    assert "the rate sustained by 90%" in frame["load"].iloc[0]
+    assert "window" in (run / "summary.md").read_text()
+
+
 @pytest.mark.parametrize("load, culprit", [
+    ({"rates": "auto"}, "give slo.ttft_s or slo.tpot_s"),
+    ({"rates": "auto", "slo": {"ttft_s": 1}, "search": {"start": 2, "limit": 1}}, "search.start 2 is above"),
+    ({"rates": "sometimes"}, "rates"),
+    ({"rates": [1], "attainment": 1.5}, "attainment"),
     ({"rates": [1], "users": [2]}, "give 'rates'"),
     ({"rates": [0]}, "rates must be positive"),
     ({"rates": [1], "kv_pool": "lots"}, "lots"),
