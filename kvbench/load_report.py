@@ -11,6 +11,7 @@ import pandas as pd
 
 from kvbench.columns import column as declared
 
+
 def load_figures(plt, frame: pd.DataFrame, statuses: dict[str, dict[str, Any]], panels, colour, label
                  ) -> dict[str, Any]:
     """Name -> figure for the load cells of `frame` (none without them). `statuses`: the cells' final status lines

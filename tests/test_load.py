@@ -14,8 +14,8 @@ import yaml
 from kvbench import calibrate, models
 from kvbench.cli import app
 from kvbench.generation import Prompt, answer, generate
-from kvbench.load import searched_rates
 from kvbench.joint import step_together
+from kvbench.load import searched_rates
 from kvbench.measure import PeakMemory
 from kvbench.models import load_model
 from kvbench.policies import POLICIES, build_policy
