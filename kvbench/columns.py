@@ -10,7 +10,7 @@ from typing import Any
 from kvbench.estimate import human_bytes
 
 # how the summary turns a cell's records into its row (None: the records keep the column, the summary does not)
-# ("service": taken from a load cell's status, what its service measured as a whole: kvbench/serving.py)
+# ("service": taken from a load cell's status, what its service measured as a whole: kvbench/serving/)
 AGGREGATES = ("mean", "mean_ci", "min", "max", "paired", "score", "service")
 # what the gate does with a column: keeps it in the baseline (`kept`), fails on a relative rise (`memory`), on a
 # fall of its ratio to full's in the same run (`speed`), on a paired per-sample rise (`fidelity`)
@@ -128,7 +128,7 @@ COLUMNS = [
                   "reason": Display("of the answers ≤0.67× full's length", ".0%")}),
     Column("delta_vs_full", "task's unit", "summary", "paired", better="higher",
            shown={"latex": Display(r"$\Delta$ vs full", ".2f")}),
-    # a load cell's service as a whole (kvbench/serving.py), shown where a run has one
+    # a load cell's service as a whole (kvbench/serving/), shown where a run has one
     Column("goodput", "requests/s", "serving", "service", better="higher", axis="goodput (requests/s within the SLO)",
            shown={"markdown": Display("goodput/s", ".2f", when_above=-1), "html": Display("goodput/s", ".3g",
                                                                                          when_above=-1)}),

@@ -97,7 +97,7 @@ class RateSearch(Strict):
 
 
 class LoadConfig(Strict):
-    """Cells under load (kvbench/serving.py), one per arrival rate (Poisson, requests/s) or closed loop of `users`, or
+    """Cells under load (kvbench/serving/), one per arrival rate (Poisson, requests/s) or closed loop of `users`, or
     one replaying a `trace` file: `requests` drawn from the task's samples (a trace's: one per line) share a KV pool
     (`kv_pool`: bytes as `512MiB`, or `4096 tokens` of the model's full cache; or `pressure`, a share of the GPU
     memory free when the cell starts). `rates: auto` makes one cell per setting that searches for the highest
@@ -231,7 +231,7 @@ class SweepConfig(Strict):
     # memory-pressure cells: the share of device memory already taken, or the memory the run may use
     pressure: list[float] | None = None
     memory_limit: str | None = None
-    # a service under load: requests arriving while others decode, in a pool of KV memory (kvbench/serving.py)
+    # a service under load: requests arriving while others decode, in a pool of KV memory (kvbench/serving/)
     load: LoadConfig | None = None
     output: str | None = None
 

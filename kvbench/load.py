@@ -1,4 +1,4 @@
-"""A load cell: its requests drawn from the task's samples, served (kvbench/serving.py), and its records.
+"""A load cell: its requests drawn from the task's samples, served (kvbench/serving/), and its records.
 
 Each finished request is a record as a sample's is (its prediction scored by the task, its cache as its own cache held
 it; a trace's own prompt is not scored: its score is NaN), with the request's latencies in place of an unloaded run's

@@ -361,7 +361,7 @@ def _markdown_tables(frame: pd.DataFrame, heading: str) -> list[str]:
                 + f" {r['n']} | {score} | {delta} | " + "".join(f"{_cell_text(r, c.name, d)} | " for c, d in shown)
                 .rstrip() + f" {r['status']} |")
         if loaded:
-            lines += ["", "Under load (kvbench/serving.py): ttft and tpot are each request's from its arrival; goodput "
+            lines += ["", "Under load (kvbench/serving/): ttft and tpot are each request's from its arrival; goodput "
                           "counts the requests per second that met the SLO; n counts the finished requests."]
         if "batch_size" in {c.name for c, _ in shown}:
             lines += ["", "ttft and tpot are each batch's (every sample of a batch waits them); speeds of cells of "

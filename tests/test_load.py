@@ -21,7 +21,7 @@ from kvbench.models import load_model
 from kvbench.policies import POLICIES, build_policy
 from kvbench.policies.base import takes_budget
 from kvbench.results import RunFolder
-from kvbench.serving import Load, Need, Request, Served, Service, need_tokens, service_metrics
+from kvbench.serving import Admission, Load, Need, Request, Scheduler, Served, Service, need_tokens, service_metrics
 from kvbench.session import RunSettings, Session
 from kvbench.summary import summarize
 from tests.conftest import random_ids
@@ -150,7 +150,7 @@ def test_a_chunked_prefill_interleaves_with_decode_steps_and_answers_as_alone(ti
 def test_decoding_past_the_pool_preempts_the_newest_and_recomputes_it(tiny_llama, monkeypatch):
     """Admission that undercounts (here: forced to) lets decoding outgrow the pool: the newest request goes back to
     the queue, is recomputed, and still answers as alone."""
-    monkeypatch.setattr("kvbench.serving.cache_need", lambda *args: Need(1, 1))
+    monkeypatch.setattr("kvbench.serving.service.cache_need", lambda *args: Need(1, 1))
     prompts = _prompts(tiny_llama, 5, max_new_tokens=12)
     slot = 2 * tiny_llama.kv_heads * tiny_llama.head_dim * 4 * tiny_llama.num_layers
     served = _serve(tiny_llama, "full", prompts, Load(requests=5, rate=1000.0, pool_bytes=120 * slot))
@@ -189,6 +189,31 @@ def test_overload_ends_in_its_time_with_every_request_accounted_for(tiny_llama):
     assert metrics["finished"] + metrics["rejected"] == metrics["offered"] == 30
     assert metrics["rejected"] > 0 and set(metrics["rejected_why"]) <= {"queue full", "timed out in the queue"}
     assert sum(metrics["rejected_why"].values()) == metrics["rejected"]
+
+
+class _ShortestFirst(Scheduler):
+    """Admits the shortest queued prompt that fits; preempts the oldest running request."""
+
+    def admission(self, queue, running, fits):
+        fitting = [r for r in queue if fits(r)]
+        return Admission(min(fitting, key=lambda r: len(r.prompt.context))) if fitting else None
+
+    def preempted(self, running):
+        return running[0]
+
+
+def test_another_policy_of_scheduling_is_one_class(tiny_llama):
+    prompts = _prompts(tiny_llama, 5)[::-1]  # longest first
+    load = Load(requests=5, arrivals=(0.0,) * 5)  # all queued at once; one prefill at a time
+    with PeakMemory(tiny_llama.devices) as memory:
+        served = Service(tiny_llama, build_policy("full", {}), RunSettings(), prompts, load, memory,
+                         scheduler=_ShortestFirst()).run()
+    order = [r.index for r in sorted(served.requests, key=lambda r: r.admitted_s)]
+    assert order == sorted(range(5), key=lambda i: (len(prompts[i].context), i)) != list(range(5))
+    for request in served.requests:
+        assert _answer(tiny_llama, request) == _alone(tiny_llama, "full", request.prompt)
+    fcfs = _serve(tiny_llama, "full", prompts, load)
+    assert [r.index for r in sorted(fcfs.requests, key=lambda r: r.admitted_s)] == list(range(5))
 
 
 def test_a_request_larger_than_the_pool_is_rejected_not_run(tiny_llama):

@@ -196,7 +196,7 @@ class Session:
     @torch.inference_mode()
     def prefill_chunks(self, ids: list[int] | torch.Tensor, shared: SharedPrefill | None = None) -> Iterator[None]:
         """`prefill`, pausing after each chunk but the last of a `chunked` prefill (a `full` one never pauses), so
-        that a service decodes other requests between the chunks (kvbench/serving.py); the prompt is compressed as
+        that a service decodes other requests between the chunks (kvbench/serving/); the prompt is compressed as
         `prefill` compresses it, and only the chunks' own time counts as prefill time."""
         ids = self._inputs(ids)
         self._enter(Phase.PREFILL)
