@@ -1,10 +1,10 @@
 """A service under load: requests arrive, wait for room in a pool of KV memory, prefill, join the running batch and
 leave it at their end, on the engine's own sessions.
 
-The scheduler (kvbench/serving/scheduler.py) is first come, first served by default, one prefill at a time: it admits the request at the head of the queue when
-the pool has room for its cache and runs its prefill in a session of its own (one row, so its policy compresses the
-prompt as it does alone); then the request joins the joint decode step of every running request
-(kvbench/engine/joint.py). A `full` prefill runs whole between two decode steps (prefill-then-join, as vLLM's scheduler
+The scheduler (kvbench/serving/scheduler.py) is first come, first served by default, one prefill at a time: it
+admits the request at the head of the queue when the pool has room for its cache and runs its prefill in a session of
+its own (one row, so its policy compresses the prompt as it does alone); then the request joins the joint decode step
+of every running request (kvbench/engine/joint.py). A `full` prefill runs whole between two decode steps (prefill-then-join, as vLLM's scheduler
 without chunked prefill); a `chunked` one feeds one chunk between two decode steps (as vLLM's and Sarathi's chunked
 prefill), so a long prompt stalls the running requests a chunk at a time. Room is judged before the prefill from the
 request's lengths (`cache_need`: the prompt's full cache while a policy compresses it, then what the policy keeps plus
