@@ -1,27 +1,31 @@
-"""What a policy buys a service whose KV memory is full: the same Poisson trace served with the full cache and with
-SnapKV at a quarter of the prompt, in a pool that holds about two full-cache requests, on the embedded model.
+"""What a policy buys a service whose KV memory is full: the highest Poisson rate each policy sustains at an SLO (its
+attainment of requests within it, found by `rates: auto`'s search), in a pool that holds about two full-cache
+requests, on the embedded model; and the aten ops one joint decode step dispatches at 1, 4 and 8 running requests.
 
-    python benchmarks/load.py [--model smollm2-135m] [--context 1024] [--tokens 64] [--requests 12] [--rate 0.4]
-                              [--chunk 256]
+    python benchmarks/load.py [--model smollm2-135m] [--context 512] [--tokens 96] [--requests 8]
+                              [--policies full snapkv window h2o] [--budget 0.25] [--start 0.05] [--refine 2]
 
-`--chunk` feeds prompts in chunks of that many tokens between decode steps (`prefill: chunked`; SnapKV then
-compresses after every chunk). Reports both services' goodput at the SLO, throughput, p99 TTFT and concurrency, the
-goodput ratio measured in this one run, and whether every finished request's answer equals its unbatched run
-(`generate`). Then the same setting's estimate for an 8B model (Llama-3.1-8B, bfloat16) on an 80 GB GPU: how many
-requests each cache admits at once.
+The workload binds decode and the pool: prompts of `--context` tokens (needle questions, scored) with answers of up to
+`--tokens`. Every policy serves the same requests at the same seeded arrivals, scaled by the rate. Reports per policy
+the sustained rate, every rate tried with its attainment, the mean score at the sustained rate and whether each of
+its finished answers equals its unbatched run (`generate`), then each policy's sustained rate over full's, measured in
+this one run. The op count is the machine's independent measure of the joint step's cost: a batched step's stays flat
+as requests join, one attending request by request grows with them.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from kvbench.estimate import SHAPES
+import torch
+
 from kvbench.generation import Prompt, answer, generate
-from kvbench.measure import PeakMemory
-from kvbench.models import load_model
+from kvbench.load import searched_rates
+from kvbench.measure import PeakMemory, StepWork
+from kvbench.models import LoadedModel, load_model
 from kvbench.policies import build_policy
-from kvbench.serving import Load, Service, pool_bytes, service_metrics
-from kvbench.session import RunSettings
+from kvbench.serving import Load, Served, Service, pool_bytes, service_metrics
+from kvbench.session import RunSettings, Session, step_together
 from kvbench.tasks import build_task
 from kvbench.tasks.base import encode_prompt
 
@@ -29,57 +33,91 @@ from kvbench.tasks.base import encode_prompt
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--requests", type=int, default=12)
-    parser.add_argument("--rate", type=float, default=0.4)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--policies", nargs="+", default=["full", "snapkv", "window", "h2o"])
+    parser.add_argument("--budget", type=float, default=0.25, help="every policy but full's, a share of the prompt")
     parser.add_argument("--ttft", type=float, default=10.0, help="SLO: seconds to the first token")
     parser.add_argument("--tpot", type=float, default=0.5, help="SLO: seconds per output token")
-    parser.add_argument("--chunk", type=int, default=0, help="chunked prefill of this many tokens (0: full)")
+    parser.add_argument("--attainment", type=float, default=0.9)
+    parser.add_argument("--start", type=float, default=0.05, help="the search's first rate, requests/s")
+    parser.add_argument("--limit", type=float, default=12.8)
+    parser.add_argument("--refine", type=int, default=2)
+    parser.add_argument("--skip-ops", action="store_true", help="leave out the joint step's op count")
     args = parser.parse_args()
 
     lm = load_model(args.model)
+    if not args.skip_ops:
+        joint_step_ops(lm, args.context)
     task = build_task("niah", {"depths": [0.25, 0.5, 0.75]})
     samples = task.samples(lm.tokenizer, args.context, 4, 0)
     prompts = [Prompt(*encode_prompt(lm.tokenizer, samples[i % len(samples)]), args.tokens, ())
                for i in range(args.requests)]
+    references = [samples[i % len(samples)] for i in range(args.requests)]
     longest = max(len(p.context) + len(p.question) for p in prompts)
     pool = pool_bytes(lm, f"{2 * (longest + args.tokens)} tokens", None)
-    load = Load(requests=args.requests, rate=args.rate, pool_bytes=pool, slo_ttft_s=args.ttft, slo_tpot_s=args.tpot)
-    results = {}
-    for name, budget in (("full", None), ("snapkv", 0.25)):
-        settings = RunSettings(budget=budget, prefill="chunked" if args.chunk else "full",
-                               prefill_chunk=args.chunk or 512)
-        with PeakMemory(lm.devices) as memory:
-            served = Service(lm, build_policy(name, {}), settings, prompts, load, memory).run()
-        metrics = service_metrics(served, load)
-        same = all(answer(lm, r.tokens, lm.eos_token_ids, ())[1] == generate(
-            lm, build_policy(name, {}), r.prompt.context, r.prompt.question, settings, args.tokens).tokens
-                   for r in served.requests if r.finished_s is not None)
-        results[name] = metrics
-        print(f"{name:7s} goodput {metrics['goodput']:.3f}/s  done {metrics['request_rate']:.3f}/s  "
+    print(f"pool {pool / 2**20:.1f} MiB ({2 * (longest + args.tokens)} tokens), {args.requests} requests of "
+          f"~{longest} prompt and <= {args.tokens} answer tokens, SLO TTFT <= {args.ttft} s, TPOT <= {args.tpot} s, "
+          f"sustained at {args.attainment:.0%} within it")
+    sustained = {}
+    for name in args.policies:
+        settings = RunSettings(budget=None if name == "full" else args.budget)
+        held, order, tried = search(lm, name, settings, prompts, pool, args)
+        sustained[name] = held or 0.0
+        served, metrics = tried[order[0] if held is None else held]
+        finished = [r for r in served.requests if r.finished_s is not None]
+        texts = [answer(lm, r.tokens, lm.eos_token_ids, ()) for r in finished]
+        score = sum(task.score(text, references[r.index]).get("score", 0.0)
+                    for r, (text, _) in zip(finished, texts, strict=True)) / max(len(finished), 1)
+        same = all(tokens == generate(lm, build_policy(name, {}), r.prompt.context, r.prompt.question, settings,
+                                      args.tokens).tokens for r, (_, tokens) in zip(finished, texts, strict=True))
+        rates = ", ".join(f"{rate:g}: {tried[rate][1]['slo_attained']:.2f}" for rate in sorted(tried))
+        print(f"{name:7s} sustains {'none' if held is None else f'{held:g} req/s'}  score {score:.2f}  "
               f"p99 TTFT {metrics['ttft_p99']:.1f} s  p50 TPOT {1000 * (metrics['tpot_p50'] or 0):.0f} ms  "
               f"running {metrics['concurrency_mean']:.1f} (peak {metrics['concurrency_peak']})  "
-              f"rejected {metrics['rejected']}  preempted {metrics['preemptions']}  answers as alone: {same}")
-    full, snap = results["full"]["goodput"], results["snapkv"]["goodput"]
-    print(f"pool {pool / 2**20:.1f} MiB ({2 * (longest + args.tokens)} tokens), rate {args.rate} req/s, prefill "
-          f"{f'in chunks of {args.chunk}' if args.chunk else 'whole'}, "
-          f"SLO TTFT <= {args.ttft} s, TPOT <= {args.tpot} s: snapkv/full goodput = "
-          f"{snap / full if full else float('inf'):.2f}x")
-    _eight_b(args.context, args.tokens)
+              f"answers as alone: {same}  [rate: attainment {rates}]", flush=True)
+    full = sustained.get("full") or float("nan")
+    print("sustained rate vs full: " + ", ".join(f"{name} {rate / full:.2f}x" for name, rate in sustained.items()
+                                                  if name != "full"))
 
 
-def _eight_b(context: int, tokens: int) -> None:
-    """Requests admitted at once on an 80 GB GPU by an 8B model's full cache and by SnapKV at 0.25, at 8x this
-    run's context (the pool: what the bfloat16 weights and 10% for activations leave)."""
-    shape = SHAPES["llama-3.1-8b"]
-    per_token = shape.bytes_per_token(2)
-    pool = 80e9 * 0.9 - 2 * (shape.parameters or 0)
-    prompt = 8 * context
-    full, snap = prompt + tokens, 0.25 * prompt + tokens
-    print(f"estimate, Llama-3.1-8B bf16 on 80 GB, {prompt}-token prompts + {tokens} tokens: pool "
-          f"{pool / 2**30:.0f} GiB; full admits {int(pool // (full * per_token))} requests at once, snapkv at 0.25 "
-          f"{int(pool // (snap * per_token))} (its prefill holds one prompt's full cache besides)")
+def search(lm: LoadedModel, name: str, settings: RunSettings, prompts: list[Prompt], pool: int | None,
+           args: argparse.Namespace) -> tuple[float | None, list[float], dict[float, tuple[Served, dict]]]:
+    """`searched_rates` over services of `prompts` under `name`: the rate held, the rates tried in order, and what
+    each served and measured."""
+    tried: dict[float, tuple[Served, dict]] = {}
+
+    def attained(rate: float) -> float:
+        load = Load(requests=args.requests, rate=rate, pool_bytes=pool, slo_ttft_s=args.ttft, slo_tpot_s=args.tpot)
+        with PeakMemory(lm.devices) as memory:
+            served = Service(lm, build_policy(name, {}), settings, prompts, load, memory).run()
+        tried[rate] = served, service_metrics(served, load)
+        return tried[rate][1]["slo_attained"] or 0.0
+
+    held, order = searched_rates(attained, {"start": args.start, "limit": args.limit, "refine": args.refine},
+                                 args.attainment)
+    return held, order, tried
+
+
+def joint_step_ops(lm: LoadedModel, context: int) -> None:
+    """Aten ops one joint decode step of 1, 4 and 8 running requests dispatches, full and SnapKV."""
+    generator = torch.Generator().manual_seed(0)
+    counts = {}
+    for name, budget in (("full", None), ("snapkv", 0.25)):
+        for running in (1, 4, 8):
+            sessions = []
+            for _ in range(running):
+                session = Session(lm, build_policy(name, {}), RunSettings(budget=budget), prompt_tokens=context,
+                                  adds=8)
+                session.prefill(torch.randint(0, 1000, (1, context), generator=generator))
+                sessions.append(session)
+            step_together(sessions, [1] * running)  # warm up
+            with StepWork() as work:
+                step_together(sessions, [1] * running)
+            counts[name, running] = work.ops
+    print("aten ops per joint decode step (1 / 4 / 8 running requests): " + "; ".join(
+        f"{name} {counts[name, 1]} / {counts[name, 4]} / {counts[name, 8]}" for name in ("full", "snapkv")))
 
 
 if __name__ == "__main__":

@@ -434,6 +434,19 @@ def test_the_load_config_shipped_is_valid():
     json.dumps(yaml.safe_load((Path(__file__).resolve().parent.parent / "configs" / "load.yaml").read_text()))
 
 
+def test_the_rate_search_config_shipped_is_valid(tmp_path):
+    from pathlib import Path
+
+    from kvbench.config import load_config
+
+    shipped = Path(__file__).resolve().parent.parent / "configs" / "load-search.yaml"
+    config = load_config(shipped)
+    assert config.load is not None and config.load.rates == "auto"
+    planned = runner.invoke(app, ["sweep", str(shipped), "--dry-run", "--output", str(tmp_path / "run")])
+    assert planned.exit_code == 0, planned.output
+    assert "the rate sustained by 90%" in planned.output
+
+
 def test_a_trace_replays_its_arrivals_prompts_and_output_limits(tmp_path):
     trace = tmp_path / "trace.jsonl"
     trace.write_text("\n".join(json.dumps(line) for line in [
