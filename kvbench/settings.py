@@ -63,6 +63,14 @@ def threshold_of(settings: RunSettings) -> Threshold | None:
     return settings.budget if isinstance(settings.budget, Threshold) else None
 
 
+def headroom(policy: Policy, settings: RunSettings, arrival: int = 1) -> int:
+    """Slots a layer's buffer keeps beyond its budget: what it may receive between two evictions (`evict_every`
+    decode tokens, or the policy's own period, as R-KV's buffer; a prefill chunk; an arrival of `arrival` tokens at
+    once). The session sizes its buffers by it, and a service's admission judges a request's cache by it."""
+    chunk = settings.prefill_chunk if settings.prefill == "chunked" else 1
+    return max(policy.schedule.every or settings.evict_every, chunk, arrival)
+
+
 def policy_budget(policy: Policy, settings: RunSettings, prompt_tokens: int, chunked: bool) -> int | None:
     """The resolved budget of `policy` for a prompt of `prompt_tokens`, after the policy's own checks."""
     budget = None if not takes_budget(policy) else resolve_budget(settings.budget, prompt_tokens)

@@ -21,7 +21,17 @@ from kvbench.models import load_model
 from kvbench.policies import POLICIES, build_policy
 from kvbench.policies.base import takes_budget
 from kvbench.results import RunFolder
-from kvbench.serving import Admission, Load, Need, Request, Scheduler, Served, Service, need_tokens, service_metrics
+from kvbench.serving import (
+    Admission,
+    Load,
+    Need,
+    Request,
+    Scheduler,
+    Served,
+    Service,
+    need_tokens,
+    service_metrics,
+)
 from kvbench.session import RunSettings, Session
 from kvbench.summary import summarize
 from tests.conftest import random_ids

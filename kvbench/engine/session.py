@@ -35,7 +35,7 @@ from kvbench.engine.rows import RowAccounts
 from kvbench.measure import PeakMemory, Stopwatch
 from kvbench.measurements import cache_measurements, timings
 from kvbench.segments import Segment
-from kvbench.settings import RunSettings, compression_plan, threshold_of
+from kvbench.settings import RunSettings, compression_plan, headroom, threshold_of
 
 if TYPE_CHECKING:
     from kvbench.engine.accounting import CacheStats
@@ -94,8 +94,7 @@ class Session:
         self.budget = plans.pop()[0]
         policy.prepare(lm)
         evict_every = policy.schedule.every or settings.evict_every  # R-KV's buffer is its own
-        headrooms = [max(evict_every, settings.prefill_chunk if settings.prefill == "chunked" else 1, a)
-                     for a in arrivals]
+        headrooms = [headroom(policy, settings, a) for a in arrivals]
         padded = left_padding is not None and int(left_padding.max()) > 0
         # a batch keeps each row's accounts; compressed storage batches only rows that hold alike (`row_stats`)
         accounts = None if left_padding is None or policy.layout() is not None else \

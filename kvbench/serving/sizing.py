@@ -11,7 +11,7 @@ from kvbench.estimate import parse_bytes
 from kvbench.generation import Prompt
 from kvbench.models import LoadedModel
 from kvbench.policies.base import Policy
-from kvbench.settings import RunSettings, resolve_budget
+from kvbench.settings import RunSettings, headroom, resolve_budget
 
 
 class Need(NamedTuple):
@@ -30,21 +30,22 @@ def cache_need(lm: LoadedModel, policy: Policy, settings: RunSettings, prompt: P
     return Need(row_bytes(lm, need.peak), row_bytes(lm, need.held))
 
 
-def need_tokens(policy: Policy, settings: RunSettings, prompt_tokens: int, max_new_tokens: int, layers: int) -> Need:
-    """What a request's cache holds, as the session sizes its buffers: a full cache, its prompt plus output (its
-    buffer grows by the answer at once). A policy that compresses a whole prompt holds all of it and, for a moment,
-    one layer's compressed buffer beside it (the layers compress one after another); a chunked prefill holds the budget
-    plus a chunk throughout. Either buffer has that room beyond the budget; a decode-time policy stays in it, a
-    prefill-time one's output grows the buffer by the whole answer once the room is full (each layer's old buffer
-    beside its new one for a moment). A storage layout's savings are not counted ahead."""
+def need_tokens(policy: Policy, settings: RunSettings, prompt_tokens: int, adds: int, layers: int) -> Need:
+    """What a request's cache holds, as the session sizes its buffers (`adds` tokens generated after the prompt, one
+    at a time): a full cache, its prompt plus what it adds (its buffer grows by that at once). A policy that
+    compresses a whole prompt holds all of it and, for a moment, one layer's compressed buffer beside it (the layers
+    compress one after another); a chunked prefill holds the budget plus a chunk throughout. Either buffer has the
+    session's `headroom` beyond the budget; a decode-time policy stays in it, a prefill-time one's output grows the
+    buffer by all it adds once the room is full (each layer's old buffer beside its new one for a moment). A storage
+    layout's savings are not counted ahead."""
     budget = resolve_budget(settings.budget, prompt_tokens)
     schedule = policy.schedule
     if budget is None or not schedule.evicts or budget >= prompt_tokens:
-        return Need(prompt_tokens + max_new_tokens, prompt_tokens + max_new_tokens)
+        return Need(prompt_tokens + adds, prompt_tokens + adds)
     chunked = settings.prefill == "chunked"
-    room = max(schedule.every or settings.evict_every, settings.prefill_chunk if chunked else 1)
+    room = headroom(policy, settings)
     buffer = budget + room
-    held = buffer if schedule.decodes or max_new_tokens <= room else buffer + 1 + max_new_tokens
+    held = buffer if schedule.decodes or adds <= room else buffer + 1 + adds
     moment = -(-buffer // layers)  # one layer's old buffer beside the others' new ones, or the prompt's beside its own
     grown = held + moment if held > buffer else held
     return Need(max(grown, buffer if chunked else prompt_tokens + moment), held)
