@@ -44,20 +44,22 @@ def drawn_samples(samples: list[Sample], count: int, seed: int) -> list[Sample]:
 
 
 def run_load(lm: LoadedModel, task: Task, cell: Cell, samples: list[Sample],
-             on_step: Callable[[int, int], None] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+             progress: Callable[[str], None] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Serve the cell's requests: the finished requests' records, and the cell's `load` (`service_metrics`) and
-    `timeline` (one entry per decode step). A search (`rate: auto`) serves them at each rate it tries
+    `timeline` (one entry per decode step); `progress` is told how far the service is (`5/8 requests`, and a
+    search's rate). A search (`rate: auto`) serves them at each rate it tries
     (`searched_rates`); its records and service are those of the highest rate that held (the lowest tried where none
     did), and its `load` adds `sustained_rate` (None where none held), `missed_rate` (the lowest that did not hold;
     None where the search reached its limit) and what every rate tried measured."""
     spec = cell.description["load"]
     if spec.get("rate") != "auto":
-        served = _serve(lm, task, cell, samples, spec.get("rate"), on_step)
+        served = _serve(lm, task, cell, samples, spec.get("rate"), _told(progress, ""))
         return served.records, {"load": served.metrics, "timeline": served.timeline}
     tries: dict[float, _Served] = {}
 
     def attained(rate: float) -> float:
-        tries[rate] = _serve(lm, task, cell, samples, rate, on_step)
+        tries[rate] = _serve(lm, task, cell, samples, rate,
+                             _told(progress, f" at {rate:g} req/s (rate {len(tries) + 1} of the search)"))
         return tries[rate].metrics["slo_attained"] or 0.0
 
     held, tried = searched_rates(attained, spec["search"], spec["attainment"])
@@ -69,6 +71,13 @@ def run_load(lm: LoadedModel, task: Task, cell: Cell, samples: list[Sample],
     service = {**chosen.metrics, "rate": tried[0] if held is None else held, "sustained_rate": held,
                "missed_rate": missed, "attainment": spec["attainment"], "tried": summary}
     return chosen.records, {"load": service, "timeline": chosen.timeline}
+
+
+def _told(progress: Callable[[str], None] | None, where: str) -> Callable[[int, int], None] | None:
+    """A service's progress (requests ended, offered) as `progress` is told it."""
+    if progress is None:
+        return None
+    return lambda ended, offered: progress(f"{ended}/{offered} requests{where}")
 
 
 # what a search keeps of each rate it tried, beside the mean score of its answers

@@ -218,8 +218,7 @@ def _run_load(lm: LoadedModel, task: Task, cell: Cell, samples: list[Sample], ou
     its status names counts (`RunFolder.records`)."""
     started, attempt = time.perf_counter(), uuid.uuid4().hex[:12]
     try:
-        records, measured = run_load(lm, task, cell, samples, lambda ended, offered: outcomes.running(
-            f"{cell.label} {ended}/{offered} requests"))
+        records, measured = run_load(lm, task, cell, samples, lambda told: outcomes.running(f"{cell.label} {told}"))
     except Exception as exc:  # one failing cell never stops the sweep
         _fail(outcomes, {}, cell, exc)
         _release_cached_memory()

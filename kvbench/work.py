@@ -3,6 +3,9 @@ executor hands a worker at a time."""
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 from kvbench.batching import may_batch
 from kvbench.cells import Cell, cell_task, sharable
 from kvbench.estimate import CellWork
@@ -16,13 +19,22 @@ def cell_work(cells: list[Cell], share: bool, batch_size: int = 1) -> list[CellW
     for cell in cells:
         d = cell.description
         task = cell_task(cell)
-        samples = d["load"]["requests"] if "load" in d else task.sample_count(d["samples"])
+        samples = served_requests(d["load"]) if "load" in d else task.sample_count(d["samples"])
         prompt, decoded = task.work(d["context_length"], d["max_new_tokens"])
         shared = share and task.shares_prefill and sharable(cell) and cell.group in prompts_run
         prompts_run.add(cell.group)
         rows = min(batch_size, samples) if batch_size > 1 and may_batch(cell) else 1
         work.append(CellWork(0 if shared else samples, prompt, decoded * -(-samples // rows), rows))
     return work
+
+
+def served_requests(load: dict[str, Any]) -> int:
+    """Requests a load cell serves at most: its own, once per rate a search tries (its doublings from `start` within
+    `limit`, then `refine` halvings)."""
+    if load.get("rate") != "auto":
+        return int(load["requests"])
+    search = load["search"]
+    return load["requests"] * (int(math.log2(search["limit"] / search["start"]) + 1e-9) + 1 + search["refine"])
 
 
 def token_work(cells: list[Cell], share: bool, batch_size: int = 1) -> float:

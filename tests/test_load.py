@@ -455,6 +455,10 @@ def test_the_rate_search_config_shipped_is_valid(tmp_path):
     planned = runner.invoke(app, ["sweep", str(shipped), "--dry-run", "--output", str(tmp_path / "run")])
     assert planned.exit_code == 0, planned.output
     assert "the rate sustained by 90%" in planned.output
+    # its time estimate counts each rate the search may try: 0.05 to 3.2 doubling (7 rates), then 2 more
+    from kvbench.work import served_requests
+
+    assert served_requests(config.load.conditions()[0]) == 8 * 9
 
 
 def test_a_trace_replays_its_arrivals_prompts_and_output_limits(tmp_path):
