@@ -24,10 +24,15 @@ def load_figures(plt, frame: pd.DataFrame, statuses: dict[str, dict[str, Any]], 
     for task, rows in loaded.groupby("task", sort=False):
         figure, axes = panels(2, 1)
         for axis, measure in ((axes[0], "goodput"), (axes[1], "ttft_p99")):
+            spans = []
             for (name, budget), series in rows.groupby([rows.apply(label, axis=1), "budget"], sort=False):
                 rates, values = _against_rate(series, statuses, measure)
+                spans += rates
                 axis.plot(rates, values, marker="o", alpha=0.8, color=colour(series["policy"].iloc[0]),
                           label=name if budget == "-" else f"{name} b={budget}")
+            if spans and max(spans) >= 8 * min(spans):  # a search's doublings
+                axis.set_xscale("log", base=2)
+                axis.xaxis.set_major_formatter(plt.FuncFormatter(lambda value, _: f"{value:g}"))
             axis.set(xlabel=declared("load_rate").axis, ylabel=declared(measure).axis)
             axis.grid(alpha=0.3)
         axes[0].legend(fontsize="x-small")
