@@ -46,11 +46,11 @@ def drawn_samples(samples: list[Sample], count: int, seed: int) -> list[Sample]:
 def run_load(lm: LoadedModel, task: Task, cell: Cell, samples: list[Sample],
              progress: Callable[[str], None] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Serve the cell's requests: the finished requests' records, and the cell's `load` (`service_metrics`) and
-    `timeline` (one entry per decode step); `progress` is told how far the service is (`5/8 requests`, and a
-    search's rate). A search (`rate: auto`) serves them at each rate it tries
-    (`searched_rates`); its records and service are those of the highest rate that held (the lowest tried where none
-    did), and its `load` adds `sustained_rate` (None where none held), `missed_rate` (the lowest that did not hold;
-    None where the search reached its limit) and what every rate tried measured."""
+    `timeline` (one entry per decode step); `progress` is told how far the service is (`5/8 requests`, and a search's
+    rate). A search (`rate: auto`) serves them at each rate it tries (`searched_rates`); its records and service are
+    those of the highest rate that held (the lowest tried where none did), and its `load` adds `sustained_rate` (None
+    where none held), `missed_rate` (the lowest that did not hold; None where the search reached its limit) and what
+    every rate tried measured."""
     spec = cell.description["load"]
     if spec.get("rate") != "auto":
         served = _serve(lm, task, cell, samples, spec.get("rate"), _told(progress, ""))
