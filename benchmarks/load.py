@@ -95,8 +95,8 @@ def search(lm: LoadedModel, name: str, settings: RunSettings, prompts: list[Prom
         tried[rate] = served, service_metrics(served, load)
         return tried[rate][1]["slo_attained"] or 0.0
 
-    held, order = searched_rates(attained, {"start": args.start, "limit": args.limit, "refine": args.refine},
-                                 args.attainment)
+    held, _, order = searched_rates(attained, {"start": args.start, "limit": args.limit, "refine": args.refine},
+                                    args.attainment)
     return held, order, tried
 
 

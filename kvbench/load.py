@@ -8,10 +8,9 @@ cell's."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -25,12 +24,12 @@ from kvbench.serving import Load, Service, TraceRequest, pool_bytes, read_trace,
 from kvbench.tasks.base import Sample, Task, encode_prompt
 
 
-def cell_load(lm: LoadedModel, cell: Cell, trace: list[TraceRequest] | None) -> Load:
-    """The `Load` a cell's `load` description gives on `lm` (its pool resolved; a trace's arrivals)."""
+def cell_load(lm: LoadedModel, cell: Cell, trace: list[TraceRequest] | None, rate: float | None) -> Load:
+    """The `Load` a cell's `load` description gives on `lm` at Poisson `rate` (None: its users or a trace's
+    arrivals), its pool resolved."""
     d = cell.description
     spec = d["load"]
-    rate = spec.get("rate")
-    return Load(requests=spec["requests"], rate=None if rate == "auto" else rate,
+    return Load(requests=spec["requests"], rate=rate,
                 users=spec.get("users"), arrivals=None if trace is None else tuple(t.arrival_s for t in trace),
                 pool_bytes=pool_bytes(lm, spec["kv_pool"], spec["pressure"]), timeout_s=spec["timeout_s"],
                 max_queue=spec["max_queue"], horizon_s=spec["horizon_s"], slo_ttft_s=spec["slo"]["ttft_s"],
@@ -62,15 +61,13 @@ def run_load(lm: LoadedModel, task: Task, cell: Cell, samples: list[Sample],
                              _told(progress, f" at {rate:g} req/s (rate {len(tries) + 1} of the search)"))
         return tries[rate].metrics["slo_attained"] or 0.0
 
-    held, tried = searched_rates(attained, spec["search"], spec["attainment"])
-    chosen = tries[tried[0] if held is None else held]
+    held, missed, tried = searched_rates(attained, spec["search"], spec["attainment"])
+    chosen = tried[0] if held is None else held
     summary = [{"rate": rate, **{key: tries[rate].metrics[key] for key in TRIED}, "score": tries[rate].score}
                for rate in sorted(tried)]
-    missed = min((rate for rate in tried if tries[rate].metrics["slo_attained"] is None or
-                  tries[rate].metrics["slo_attained"] < spec["attainment"]), default=None)
-    service = {**chosen.metrics, "rate": tried[0] if held is None else held, "sustained_rate": held,
-               "missed_rate": missed, "attainment": spec["attainment"], "tried": summary}
-    return chosen.records, {"load": service, "timeline": chosen.timeline}
+    service = {**tries[chosen].metrics, "rate": chosen, "sustained_rate": held, "missed_rate": missed,
+               "attainment": spec["attainment"], "tried": summary}
+    return tries[chosen].records, {"load": service, "timeline": tries[chosen].timeline}
 
 
 def _told(progress: Callable[[str], None] | None, where: str) -> Callable[[int, int], None] | None:
@@ -84,13 +81,21 @@ def _told(progress: Callable[[str], None] | None, where: str) -> Callable[[int, 
 TRIED = ("slo_attained", "goodput", "ttft_p99", "tpot_p99", "finished", "rejected")
 
 
-def searched_rates(attained: Callable[[float], float], search: dict[str, Any], attainment: float
-                   ) -> tuple[float | None, list[float]]:
-    """The highest rate that held (`attained(rate)`, the share of requests within the SLO, at least `attainment`)
-    and every rate tried, in order: from `search["start"]`, doubling while a rate holds, up to `search["limit"]`,
-    then `search["refine"]` halvings of the gap between the last rate that held and the first that did not (as a
-    serving benchmark finds the highest rate sustained: its curve rises with the rate until it falls off). None: the
-    first rate did not hold."""
+class Search(NamedTuple):
+    """What a rate search found: the highest rate that held (None: the first did not), the lowest that did not
+    (None: the search reached its limit), and every rate tried, in order."""
+
+    held: float | None
+    missed: float | None
+    tried: list[float]
+
+
+def searched_rates(attained: Callable[[float], float], search: dict[str, Any], attainment: float) -> Search:
+    """The highest rate that held (`attained(rate)`, the share of requests within the SLO, at least `attainment`), the
+    lowest that did not, and every rate tried, in order: from `search["start"]`, doubling while a rate holds, up to
+    `search["limit"]`, then `search["refine"]` halvings of the gap between the last rate that held and the first that
+    did not (as a serving benchmark finds the highest rate sustained: its curve rises with the rate until it falls
+    off)."""
     held: float | None = None
     failed: float | None = None
     rate, tried = float(search["start"]), []
@@ -111,7 +116,7 @@ def searched_rates(attained: Callable[[float], float], search: dict[str, Any], a
             held = rate
         else:
             failed = rate
-    return held, tried
+    return Search(held, failed, tried)
 
 
 @dataclass
@@ -133,7 +138,7 @@ def _serve(lm: LoadedModel, task: Task, cell: Cell, samples: list[Sample], rate:
     d = cell.description
     trace = read_trace(d["load"]["trace"]) if "trace" in d["load"] else None
     policy, settings = cell.policy(), cell.settings()
-    load = dataclasses.replace(cell_load(lm, cell, trace), rate=rate)
+    load = cell_load(lm, cell, trace, rate)
     drawn = drawn_samples(samples, load.requests, d["seed"])
     limits = [settings.max_new_tokens or sample.max_new_tokens for sample in drawn]
     if trace is not None:  # a trace's own prompts and output limits

@@ -373,21 +373,23 @@ def test_a_load_sweep_killed_mid_run_resumes_with_every_request_counted_once(tmp
     assert counted == {cell_id: status["load"]["finished"] for cell_id, status in statuses.items()}
 
 
-@pytest.mark.parametrize("start, limit, refine, holds_to, held, tried", [
-    (0.1, 12.8, 2, 0.7, 0.7, [0.1, 0.2, 0.4, 0.8, 0.6, 0.7]),  # doubles to the first miss, then halves the gap
-    (0.1, 12.8, 2, 0.65, 0.6, [0.1, 0.2, 0.4, 0.8, 0.6, 0.7]),
-    (0.1, 0.3, 2, 5.0, 0.2, [0.1, 0.2]),  # up to the limit, then nothing to refine
-    (1.0, 12.8, 2, 0.5, None, [1.0]),  # the first rate misses: none held
+@pytest.mark.parametrize("start, limit, refine, holds_to, held, missed, tried", [
+    (0.1, 12.8, 2, 0.7, 0.7, 0.8, [0.1, 0.2, 0.4, 0.8, 0.6, 0.7]),  # doubles to the first miss, then halves the gap
+    (0.1, 12.8, 2, 0.65, 0.6, 0.7, [0.1, 0.2, 0.4, 0.8, 0.6, 0.7]),
+    (0.1, 0.3, 2, 5.0, 0.2, None, [0.1, 0.2]),  # up to the limit, then nothing to refine
+    (1.0, 12.8, 2, 0.5, None, 1.0, [1.0]),  # the first rate misses: none held
 ])
-def test_a_rate_search_doubles_until_a_rate_misses_then_halves_the_gap(start, limit, refine, holds_to, held, tried):
+def test_a_rate_search_doubles_until_a_rate_misses_then_halves_the_gap(start, limit, refine, holds_to, held, missed,
+                                                                       tried):
     asked = []
 
     def attained(rate):
         asked.append(rate)
         return 0.95 if rate <= holds_to + 1e-9 else 0.5
 
-    found, order = searched_rates(attained, {"start": start, "limit": limit, "refine": refine}, 0.9)
+    found, lowest_missed, order = searched_rates(attained, {"start": start, "limit": limit, "refine": refine}, 0.9)
     assert found == pytest.approx(held) if held is not None else found is None
+    assert lowest_missed == pytest.approx(missed) if missed is not None else lowest_missed is None
     assert order == pytest.approx(tried) and asked == order
 
 
@@ -402,8 +404,8 @@ def test_a_rate_search_cell_records_the_rate_it_found_and_every_rate_it_tried(tm
     service = status["load"]
     tried = {t["rate"]: t for t in service["tried"]}
     # the search the cell ran is the one its measurements call for, and its records are the rate it found
-    held, order = searched_rates(lambda rate: tried[rate]["slo_attained"], load["search"], 0.9)
-    assert sorted(order) == sorted(tried) and service["sustained_rate"] == held
+    held, missed, order = searched_rates(lambda rate: tried[rate]["slo_attained"], load["search"], 0.9)
+    assert sorted(order) == sorted(tried) and service["sustained_rate"] == held and service["missed_rate"] == missed
     assert service["rate"] == (order[0] if held is None else held)
     assert len(folder.records()) == service["finished"] == tried[service["rate"]]["finished"]
     frame = summarize(run)
