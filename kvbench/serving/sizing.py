@@ -27,7 +27,7 @@ def cache_need(lm: LoadedModel, policy: Policy, settings: RunSettings, prompt: P
     before it runs (`need_tokens`)."""
     need = need_tokens(policy, settings, len(prompt.context) + len(prompt.question), prompt.max_new_tokens,
                        lm.num_layers)
-    return Need(row_bytes(lm, need.peak), row_bytes(lm, need.held))
+    return Need(_row_bytes(lm, need.peak), _row_bytes(lm, need.held))
 
 
 def need_tokens(policy: Policy, settings: RunSettings, prompt_tokens: int, adds: int, layers: int) -> Need:
@@ -66,7 +66,7 @@ def pool_bytes(lm: LoadedModel, kv_pool: str | None, pressure: float | None) -> 
     GPU memory free now, after the weights); None: unbounded."""
     if kv_pool is not None:
         count, unit = pool_spec(kv_pool)
-        return count if unit == "bytes" else row_bytes(lm, count)
+        return count if unit == "bytes" else _row_bytes(lm, count)
     if pressure is None:
         return None
     if lm.device.type != "cuda":
@@ -75,7 +75,7 @@ def pool_bytes(lm: LoadedModel, kv_pool: str | None, pressure: float | None) -> 
     return int(pressure * torch.cuda.mem_get_info(lm.device)[0])
 
 
-def row_bytes(lm: LoadedModel, tokens: int) -> int:
+def _row_bytes(lm: LoadedModel, tokens: int) -> int:
     """A single row's KV bytes for `tokens` entries in every layer (a sliding layer holds its window at most)."""
     slot = 2 * lm.kv_heads * lm.head_dim * lm.dtype.itemsize
     return sum(min(tokens, kind.window or tokens) for kind in lm.layer_kinds) * slot
