@@ -159,6 +159,10 @@ COLUMNS = [
     Column("finished", "requests", "serving", "service"),
     Column("duration_s", "s", "serving", "service"),
     Column("pool_bytes", "bytes", "serving", "service"),
+    # the pool's rows of static buffers and their bytes (NaN: the requests stepped jointly, as `pool_step` says why)
+    Column("pool_rows", "requests", "serving", "service"),
+    Column("pool_allocated", "bytes", "serving", "service"),
+    Column("pool_step", "text", "serving", "service"),
     Column("pool_used_mean", "bytes", "serving", "service"),
     Column("pool_used_peak", "bytes", "serving", "service"),
     # a request's own times under load (its record's ttft_s and tpot_s are from its arrival, as vLLM's)

@@ -309,6 +309,10 @@ class Wrapper(Policy):
     decides: ClassVar[frozenset[str]] = frozenset()
     _stages: tuple[Policy, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
+    @property
+    def stages(self) -> tuple[Policy, ...]:
+        return self._stages
+
     def stage(self, cache: KVCache) -> Policy:
         """The stage in charge of `cache` now (by default the first)."""
         return self._stages[0]

@@ -158,9 +158,11 @@ def test_a_chunked_prefill_interleaves_with_decode_steps_and_answers_as_alone(ti
 
 
 def test_decoding_past_the_pool_preempts_the_newest_and_recomputes_it(tiny_llama, monkeypatch):
-    """Admission that undercounts (here: forced to) lets decoding outgrow the pool: the newest request goes back to
-    the queue, is recomputed, and still answers as alone."""
+    """Admission that undercounts (here: forced to) lets decoding outgrow the pool of requests that step jointly
+    (those of a policy whose rows cannot share a pool's): the newest request goes back to the queue, is recomputed,
+    and still answers as alone."""
     monkeypatch.setattr("kvbench.serving.service.cache_need", lambda *args: Need(1, 1))
+    monkeypatch.setattr("kvbench.serving.service.pool_plan", lambda *args: "forced to step jointly")
     prompts = _prompts(tiny_llama, 5, max_new_tokens=12)
     slot = 2 * tiny_llama.kv_heads * tiny_llama.head_dim * 4 * tiny_llama.num_layers
     served = _serve(tiny_llama, "full", prompts, Load(requests=5, rate=1000.0, pool_bytes=120 * slot))

@@ -92,19 +92,25 @@ def cache_stats(cache: KVCache) -> CacheStats:
     full_slot = 2 * batch * heads * head_dim * layers[0].dtype.itemsize if layers else 0
     full_entries = sum(layer.full_entries() for layer in layers)
     lengths = [layer.length for layer in layers] or [0]
-    per_head = [layer.live_entries() / (batch * heads) for layer in layers] or [0]
     physical = cache.physical_bytes()
     return CacheStats(
         kv_bytes_live=cache.live_bytes(),
         kv_bytes_physical=physical,
         kv_bytes_peak=max(cache.peak_bytes, physical),
         kv_bytes_full=full_entries * full_slot,
-        kept_mean=sum(per_head) / len(per_head),
+        kept_mean=kept_mean(cache),
         kept_max=max(lengths),
         kept_max_ever=max((layer.max_held for layer in layers), default=0),
         evictions=cache.evictions,
         **cache.reads.means(),
     )
+
+
+def kept_mean(cache: KVCache) -> float:
+    """Entries a layer's heads hold, on the mean over the layers (a static layer's from the host's counts)."""
+    batch, heads, _ = cache.batch_heads_dim
+    per_head = [layer.live_entries() / (batch * heads) for layer in cache.layers if layer.is_initialized] or [0]
+    return sum(per_head) / len(per_head)
 
 
 def row_stats(cache: KVCache, row: int) -> CacheStats:

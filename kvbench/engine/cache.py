@@ -133,6 +133,7 @@ class KVCache(Cache):
         # while decoding on static buffers (kvbench/engine/step.py): the position `[batch, 1, 1]` of the token being
         # fed, and the one after it (`LayerKV.next_position`), on the device
         self.static = False
+        self.pooled = False  # its static buffers are a row of a service's pool (kvbench/engine/pool.py)
         self.position: torch.Tensor | None = None
         self.fed: torch.Tensor | None = None
         # a decode-time policy that observes scores by each step's attention: the static step keeps its weights
@@ -337,6 +338,14 @@ class KVCache(Cache):
         """Before a decode step's forward (one token per row): step on static buffers if this cache can (laying
         them out once), and count the token on the host. False: the step runs on the dynamic layout. A `compiled`
         step reads every slot of each layer's width (`StaticSlots.exact`)."""
+        if not self.go_static(compiled):
+            return False
+        self.count_token()
+        return True
+
+    def go_static(self, compiled: bool = False) -> bool:
+        """Lay the layers out on static buffers for the decode steps to come, if this cache can (a no-op while they
+        still fit). False: its steps run on the dynamic layout."""
         if self.static and not self._static_still_fits(compiled):
             self.leave_static()
         if not self.static:
@@ -349,6 +358,10 @@ class KVCache(Cache):
                 if rule.width(layer) > layer.capacity and layer.length < layer.capacity:
                     return False  # its buffer grows to the width only once the slots it has are full
             self._enter_static(rules, compiled)
+        return True
+
+    def count_token(self) -> None:
+        """A static step's token, counted on the host before its forward."""
         for layer in self.layers:
             static = layer.slots
             layer.seen += 1
@@ -357,7 +370,6 @@ class KVCache(Cache):
             plan = getattr(static.rule, "plan", None)
             if plan is not None:
                 plan(static.held)
-        return True
 
     def _static_still_fits(self, compiled: bool) -> bool:
         """Whether each layer's rule is still what bounds it (adaptive switches at its limit), an appending layer's
@@ -444,7 +456,7 @@ class KVCache(Cache):
             static.held, static.steps = after, static.steps + 1
             if isinstance(static.rule, EvictEvery) and due.any() and static.exact:
                 static.exact, layer.length = False, static.width  # the freed slots are holes: masked from now on
-            if due.any():  # as an eviction gives back what a long prompt needed (`LayerKV.evict`)
+            if due.any() and not self.pooled:  # as an eviction gives back what a long prompt needed (`LayerKV.evict`)
                 target = self.capacity_for(int(after.max()), index)
                 if layer.capacity >= 2 * target:
                     layer._reallocate(target)
@@ -452,6 +464,7 @@ class KVCache(Cache):
         if reallocated and compiled and self.layers[0].device.type == "cuda":
             self._pin_for_graphs()
         if any(not same_rule(layer.slots.rule, rule_for(self, layer)) for layer in self.layers):
+            assert not self.pooled, "a pool's rows keep their rules (`pool_blocker`)"
             self.leave_static()  # a policy bounds a layer now (adaptive at its limit): it compresses at once
             self.compress()
 

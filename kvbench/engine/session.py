@@ -252,6 +252,10 @@ class Session:
         self.step_s.append(clock.lap())
         return logits
 
+    def enter_decode(self) -> None:
+        """From here on, what is fed is decoded (a decode-time policy evicts as tokens arrive)."""
+        self._enter(Phase.DECODE)
+
     def begin_step(self) -> None:
         """Before a decode step's forward (this session's own, or a joint step of several: kvbench/engine/joint.py)."""
         self._enter(Phase.DECODE)

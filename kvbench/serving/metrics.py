@@ -53,6 +53,9 @@ def service_metrics(served: Served, load: Load) -> dict[str, Any]:
         "concurrency_mean": float(np.mean([s["running"] for s in steps])) if steps else 0.0,
         "concurrency_peak": max((s["running"] for s in steps), default=0),
         "pool_bytes": served.pool_bytes,
+        "pool_rows": served.pool_rows,
+        "pool_allocated": served.pool_allocated,
+        "pool_step": "batched" if served.joint_because is None else f"joint: {served.joint_because}",
         "pool_used_mean": float(np.mean([s["pool_bytes"] for s in steps])) if steps else 0.0,
         "pool_used_peak": max((s["pool_bytes"] for s in steps), default=0),
     }

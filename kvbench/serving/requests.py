@@ -79,10 +79,14 @@ class Request:
 @dataclass
 class Served:
     """What a run under load measured: every request (finished or rejected), the service's timeline (one entry per
-    step) and its counters."""
+    step) and its counters; the pool's rows and the bytes they were allocated, where the requests decoded in one
+    (`joint_because`: why they decoded jointly instead)."""
 
     requests: list[Request]
     timeline: list[dict[str, Any]]
     preemptions: int
     duration_s: float
     pool_bytes: int | None
+    pool_rows: int | None = None
+    pool_allocated: int | None = None
+    joint_because: str | None = None

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from kvbench.engine.accounting import kept_mean
+from kvbench.engine.pool import Pool, pool_plan
 from kvbench.engine.session import step_together
 from kvbench.generation import Prompt, stopped
 from kvbench.measure import PeakMemory
@@ -19,7 +21,7 @@ from kvbench.policies.base import Policy
 from kvbench.serving.arrivals import poisson_arrivals
 from kvbench.serving.requests import Load, Request, Served
 from kvbench.serving.scheduler import FirstComeFirstServed, Scheduler
-from kvbench.serving.sizing import cache_need
+from kvbench.serving.sizing import cache_need, need_tokens
 from kvbench.session import Session
 from kvbench.settings import RunSettings
 
@@ -60,6 +62,7 @@ class Service:
             self.requests = [Request(i, p, 0.0 if i < load.users else float("inf"), user=i % load.users)
                              for i, p in enumerate(prompts)]
         self.needs = [cache_need(lm, policy, settings, p) for p in prompts]
+        self.pool, self.joint_because = self._pool(prompts)
         self.queue: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the newest is preempted first
         self.prefilling: Request | None = None  # admitted, its prompt being fed a chunk at a time
@@ -89,7 +92,34 @@ class Service:
             if self.on_step and ended != told:
                 self.on_step(ended, len(self.requests))
                 told = ended
-        return Served(self.requests, self.timeline, self.preemptions, clock.now(), self.load.pool_bytes)
+        pool = self.pool
+        return Served(self.requests, self.timeline, self.preemptions, clock.now(), self.load.pool_bytes,
+                      None if pool is None else pool.rows, None if pool is None else pool.physical_bytes(),
+                      self.joint_because)
+
+    def _pool(self, prompts: list[Prompt]) -> tuple[Pool | None, str | None]:
+        """The pool the requests decode in, with a row each, or why they decode jointly instead
+        (kvbench/engine/pool.py). A row holds the largest request once its prompt is compressed and its answer
+        written; the pool has as many as its bytes hold, and grows by doubling where they are not bounded."""
+        agnostic = self.settings.question == "agnostic"
+        widest = max(need_tokens(self.policy, self.settings, len(p.context) + len(p.question), p.max_new_tokens,
+                                 self.lm.num_layers).held + (len(p.question) if agnostic else 0) for p in prompts)
+        plan = pool_plan([self._session(p) for p in prompts], widest)
+        if isinstance(plan, str):
+            return None, plan
+        pool = self.load.pool_bytes
+        if pool is None:
+            return Pool(self.lm, plan, min(len(prompts), 4), grows=True), None
+        return Pool(self.lm, plan, pool // plan.row_bytes(self.lm)), None
+
+    def _session(self, prompt: Prompt) -> Session:
+        """A request's session, sized for what it is fed and answers (the question after compression with
+        `question: agnostic`)."""
+        agnostic = self.settings.question == "agnostic"
+        return Session(self.lm, dataclasses.replace(self.policy), self.settings,
+                       prompt_tokens=len(prompt.context) + len(prompt.question),
+                       arrival=len(prompt.question) if agnostic else 1,
+                       adds=prompt.max_new_tokens + (len(prompt.question) if agnostic else 0))
 
     # --- the queue -------------------------------------------------------------------------------------
     def _next_arrival(self) -> float:
@@ -129,6 +159,8 @@ class Service:
         assert self.load.horizon_s is not None
         cut = [*self.running, *([self.prefilling] if self.prefilling else []), *self.queue, *self.unarrived]
         for request in cut:
+            if self.pool is not None and request.session in self.pool.members:
+                self.pool.leave(request.session)
             request.session, request.prefill = None, None
             if request.arrival_s <= self.load.horizon_s:
                 request.rejected = "not ended by the horizon"
@@ -155,10 +187,11 @@ class Service:
         away."""
         if self.prefilling is not None:
             return
-        pool = self.load.pool_bytes
+        pool, rows = self.load.pool_bytes, self.pool
         decided = self.scheduler.admission(
             list(self.queue), self.running,
-            lambda r: pool is None or self.reserved_bytes() + max(self.needs[r.index]) <= pool)
+            lambda r: rows.has_room() if rows is not None else
+            pool is None or self.reserved_bytes() + max(self.needs[r.index]) <= pool)
         if decided is None:
             return
         request = decided.request
@@ -169,10 +202,7 @@ class Service:
         if request.admitted_s is None:
             request.admitted_s = self.clock.now()
         prompt, agnostic = request.prompt, self.settings.question == "agnostic"
-        request.session = Session(self.lm, dataclasses.replace(self.policy), self.settings,
-                                  prompt_tokens=len(prompt.context) + len(prompt.question),
-                                  arrival=len(prompt.question) if agnostic else 1,
-                                  adds=prompt.max_new_tokens + (len(prompt.question) if agnostic else 0))
+        request.session = self._session(prompt)
         request.session.memory = self.memory
         request.prefill = request.session.prefill_chunks(prompt.context if agnostic else
                                                          prompt.context + prompt.question)
@@ -195,17 +225,27 @@ class Service:
         if request.first_token_s is None:
             request.first_token_s = self.clock.now()
         self.running.append(request)
+        if self.pool is not None:
+            self.pool.join(session)
         self._finish_ended()
 
     # --- decoding -----------------------------------------------------------------------------------------
     def _step(self) -> None:
-        """One joint decode step of the running requests, then the ends it reached and the pool's check."""
+        """One decode step of the running requests (the pool's batched step, or a joint one), then the ends it
+        reached and the pool's check."""
         sessions = [r.session for r in self.running if r.session is not None]
         evicted = sum(s.cache.evictions for s in sessions)
-        logits = step_together(sessions, [r.tokens[-1] for r in self.running])
-        for request, token in zip(self.running, logits.argmax(-1).tolist(), strict=True):
+        if self.pool is None:
+            stepped = self.running
+            logits = step_together(sessions, [r.tokens[-1] for r in stepped])
+        else:  # in the order of the pool's rows
+            by_session = {id(r.session): r for r in self.running}
+            stepped = [by_session[id(member)] for member in self.pool.members]
+            logits = self.pool.step([r.tokens[-1] for r in stepped])
+        for request, token in zip(stepped, logits.argmax(-1).tolist(), strict=True):
             request.tokens.append(int(token))
-        held = self.held_bytes()
+        # the pool's occupancy: the slots in use (a joint step's caches: the buffers they hold)
+        held = self.held_bytes() if self.pool is None else sum(s.cache.live_bytes() for s in sessions)
         self.timeline.append({
             "t_s": round(self.clock.now(), 6),
             "running": len(self.running),
@@ -213,7 +253,7 @@ class Service:
             "queued": len(self.queue),
             "pool_bytes": held,
             "evictions": sum(s.cache.evictions for s in sessions) - evicted,
-            "kept_mean": float(np.mean([s.cache.stats().kept_mean for s in sessions])),
+            "kept_mean": float(np.mean([kept_mean(s.cache) for s in sessions])),
         })
         self._finish_ended()
         self._preempt()
@@ -226,6 +266,8 @@ class Service:
             assert session is not None
             session.generated_tokens = len(request.tokens)
             request.measured, request.session = session.measurements(), None
+            if self.pool is not None:
+                self.pool.leave(session)
             self._ended(request)
 
     def _answered(self, request: Request) -> bool:
@@ -237,7 +279,7 @@ class Service:
         the front of the queue, to be recomputed from its prompt; a request that outgrows the pool alone is
         rejected."""
         pool = self.load.pool_bytes
-        while pool is not None and self.running and self.held_bytes() > pool:
+        while pool is not None and self.pool is None and self.running and self.held_bytes() > pool:
             newest = self.scheduler.preempted(self.running)
             self.running.remove(newest)
             newest.session, newest.tokens = None, []
