@@ -250,9 +250,9 @@ class Pool:
         logits = (compiled_step(self.device) if lm.compile else static_step)(lm, cache, ids.to(self.device))
         logits = logits[: len(members)].clone()  # a CUDA graph's output is overwritten by its next replay
         seconds = clock.lap()
-        for row, session in enumerate(members):
+        for session, row in zip(members, logits.split(1), strict=True):  # one op for every row
             session.cache.account_step(compiled=True)
-            session.logits = logits[row : row + 1]
+            session.logits = row
             session.step_s.append(seconds)
         return logits
 
