@@ -1,6 +1,7 @@
 """What a policy buys a service whose KV memory is full: the highest Poisson rate each policy sustains at an SLO (its
 attainment of requests within it, found by `rates: auto`'s search), in a pool that holds about two full-cache
-requests, on the embedded model; and the aten ops one joint decode step dispatches at 1, 4 and 8 running requests.
+requests, on the embedded model; and the aten ops one decode step dispatches at 1, 4 and 8 running requests, the pool's
+batched step beside the joint one that attends request by request.
 
     python benchmarks/load.py [--model smollm2-135m] [--context 512] [--tokens 96] [--requests 8]
                               [--policies full snapkv window h2o] [--budget 0.25] [--start 0.05] [--refine 2]
@@ -9,8 +10,8 @@ The workload binds decode and the pool: prompts of `--context` tokens (needle qu
 `--tokens`. Every policy serves the same requests at the same seeded arrivals, scaled by the rate. Reports per policy
 the sustained rate, every rate tried with its attainment, the mean score at the sustained rate and whether each of
 its finished answers equals its unbatched run (`generate`), then each policy's sustained rate over full's, measured in
-this one run. The op count is the machine's independent measure of the joint step's cost: a batched step's stays flat
-as requests join, one attending request by request grows with them.
+this one run. The op count is the machine's independent measure of a step's cost: the pool's batched step's stays flat
+as requests join, the joint step's grows with them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 
 import torch
 
+from kvbench.engine.pool import Pool, pool_plan
 from kvbench.generation import Prompt, answer, generate
 from kvbench.load import searched_rates
 from kvbench.measure import PeakMemory, StepWork
@@ -75,7 +77,8 @@ def main() -> None:
         rates = ", ".join(f"{rate:g}: {tried[rate][1]['slo_attained']:.2f}" for rate in sorted(tried))
         print(f"{name:7s} sustains {'none' if held is None else f'{held:g} req/s'}  score {score:.2f}  "
               f"p99 TTFT {metrics['ttft_p99']:.1f} s  p50 TPOT {1000 * (metrics['tpot_p50'] or 0):.0f} ms  "
-              f"running {metrics['concurrency_mean']:.1f} (peak {metrics['concurrency_peak']})  "
+              f"running {metrics['concurrency_mean']:.1f} (peak {metrics['concurrency_peak']}, "
+              f"rows {metrics['pool_rows']}, step {metrics['pool_step']})  "
               f"answers as alone: {same}  [rate: attainment {rates}]", flush=True)
     full = sustained.get("full") or float("nan")
     print("sustained rate vs full: " + ", ".join(f"{name} {rate / full:.2f}x" for name, rate in sustained.items()
@@ -101,23 +104,35 @@ def search(lm: LoadedModel, name: str, settings: RunSettings, prompts: list[Prom
 
 
 def joint_step_ops(lm: LoadedModel, context: int) -> None:
-    """Aten ops one joint decode step of 1, 4 and 8 running requests dispatches, full and SnapKV."""
+    """Aten ops one decode step of 1, 4 and 8 running requests dispatches, full and SnapKV: the pool's batched step,
+    and the joint step that attends request by request (what a policy that cannot pool steps by)."""
     generator = torch.Generator().manual_seed(0)
     counts = {}
     for name, budget in (("full", None), ("snapkv", 0.25)):
+        settings = RunSettings(budget=budget)
         for running in (1, 4, 8):
-            sessions = []
-            for _ in range(running):
-                session = Session(lm, build_policy(name, {}), RunSettings(budget=budget), prompt_tokens=context,
-                                  adds=8)
-                session.prefill(torch.randint(0, 1000, (1, context), generator=generator))
-                sessions.append(session)
-            step_together(sessions, [1] * running)  # warm up
-            with StepWork() as work:
-                step_together(sessions, [1] * running)
-            counts[name, running] = work.ops
-    print("aten ops per joint decode step (1 / 4 / 8 running requests): " + "; ".join(
-        f"{name} {counts[name, 1]} / {counts[name, 4]} / {counts[name, 8]}" for name in ("full", "snapkv")))
+            pooled = [Session(lm, build_policy(name, {}), settings, prompt_tokens=context, adds=8)
+                      for _ in range(running)]
+            plan = pool_plan(pooled, context + 9)
+            assert not isinstance(plan, str), plan
+            pool = Pool(lm, plan, rows=8)
+            joint = []
+            for session in pooled:
+                prompt = torch.randint(0, 1000, (1, context), generator=generator)
+                session.prefill(prompt)
+                pool.join(session)
+                joint.append(Session(lm, build_policy(name, {}), settings, prompt_tokens=context, adds=8))
+                joint[-1].prefill(prompt)
+            for kind, step in (("pool", lambda: pool.step([1] * running)),
+                               ("joint", lambda: step_together(joint, [1] * running))):
+                step()  # warm up
+                with StepWork() as work:
+                    step()
+                counts[kind, name, running] = work.ops
+    for kind in ("pool", "joint"):
+        print(f"aten ops per {kind} decode step (1 / 4 / 8 running requests): " + "; ".join(
+            f"{name} {counts[kind, name, 1]} / {counts[kind, name, 4]} / {counts[kind, name, 8]}"
+            for name in ("full", "snapkv")))
 
 
 if __name__ == "__main__":

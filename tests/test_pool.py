@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from kvbench.engine.pool import Pool, pool_plan
+from kvbench.engine.pool import Pool, PoolRefused, pool_plan
 from kvbench.measure import PeakMemory, StepWork
 from kvbench.models import load_model
 from kvbench.policies import POLICIES, build_policy
@@ -17,6 +17,7 @@ from kvbench.session import RunSettings, Session
 from tests.conftest import random_ids
 from tests.helpers import tiny_policy
 from tests.test_load import _alone, _answer, _prompts
+from tests.test_static_step import compiled_on_dynamo  # noqa: F401  # a fixture
 
 STEPS = 8
 
@@ -26,11 +27,10 @@ def _bytes_aside(stats):
     return dataclasses.replace(stats, kv_bytes_physical=0, kv_bytes_peak=0)
 
 
-def _pooled_as_alone(lm, name: str, params: dict, budget, lengths=(70, 90, 110)) -> None:
+def _pooled_as_alone(lm, name: str, params: dict, settings: RunSettings, lengths=(70, 90, 110)) -> None:
     """Three requests join a pool at different steps and leave it as their answers end (the last row moves into a
     freed one): each one's tokens, logits and cache accounts are its run alone's."""
     prompts = [random_ids(n, seed=n) for n in lengths]
-    settings = RunSettings(budget=budget)
 
     def session(prompt: list[int]) -> Session:
         return Session(lm, tiny_policy(name, params), settings, prompt_tokens=len(prompt), adds=STEPS + 1)
@@ -56,7 +56,11 @@ def _pooled_as_alone(lm, name: str, params: dict, budget, lengths=(70, 90, 110))
         for index in (0, 1) if step == 0 else (2,) if step == 3 else ():
             sessions[index].prefill(prompts[index])
             tokens[index].append(int(sessions[index].logits.argmax()))
-            pool.join(sessions[index])
+            try:
+                pool.join(sessions[index])
+            except PoolRefused:
+                assert name == "rkv"  # its window of queries per layer
+                return
         rows = [sessions.index(member) for member in pool.members]
         out = pool.step([tokens[index][-1] for index in rows])
         for row, index in enumerate(rows):
@@ -74,7 +78,8 @@ def _pooled_as_alone(lm, name: str, params: dict, budget, lengths=(70, 90, 110))
 
 @pytest.mark.parametrize("name", POLICIES.names())
 def test_every_policy_decodes_in_a_pool_as_it_runs_alone_or_says_why_not(tiny_llama, name):
-    params = {"rank": 8} if name == "lowrank" else {}
+    # R-KV with a buffer it fills within the steps: it evicts by its window of queries, which rows cannot share
+    params = {"rank": 8} if name == "lowrank" else {"buffer": 4} if name == "rkv" else {}
     budget = 56 if takes_budget(tiny_policy(name, params)) else None
     probe = Session(tiny_llama, tiny_policy(name, params), RunSettings(budget=budget), prompt_tokens=70, adds=4)
     plan = pool_plan([probe], 80)
@@ -82,7 +87,7 @@ def test_every_policy_decodes_in_a_pool_as_it_runs_alone_or_says_why_not(tiny_ll
         assert name in {"adaptive", "simlayerkv", "duoattention", "lowrank", "merge", "mixed_precision", "quant",
                         "quest", "random", "razorattention", "think"}, plan
         return
-    _pooled_as_alone(tiny_llama, name, params, budget)
+    _pooled_as_alone(tiny_llama, name, params, RunSettings(budget=budget))
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +95,11 @@ def tiny_gemma3():
     return load_model("random:tiny-gemma3", dtype="float32", device="cpu")
 
 
-@pytest.mark.parametrize("name, budget", [("full", None), ("window", 16), ("h2o", 16), ("streaming_llm", 16),
-                                          ("snapkv", 40), ("rkv", 40)])
-def test_a_pool_on_a_model_with_sliding_layers_decodes_as_alone(tiny_gemma3, name, budget):
-    _pooled_as_alone(tiny_gemma3, name, {}, budget, lengths=(40, 23, 77))
+@pytest.mark.parametrize("name, budget, every", [("full", None, 1), ("window", 16, 1), ("h2o", 16, 1),
+                                                 ("streaming_llm", 16, 1), ("snapkv", 40, 1), ("tova", 16, 3)])
+def test_a_pool_on_a_model_with_sliding_layers_decodes_as_alone(tiny_gemma3, name, budget, every):
+    """`every` > 1: the rows evict a few entries at a time, each when its own heads are due."""
+    _pooled_as_alone(tiny_gemma3, name, {}, RunSettings(budget=budget, evict_every=every), lengths=(40, 23, 77))
 
 
 @pytest.mark.parametrize("name, budget", [("full", None), ("snapkv", 40), ("h2o", 32)])
@@ -114,6 +120,43 @@ def test_a_pool_step_dispatches_the_same_ops_at_1_4_and_8_requests(tiny_llama, n
             pool.step([1] * running)
         ops[running] = work.ops
     assert ops[1] == ops[4] == ops[8], ops
+
+
+@pytest.mark.parametrize("name, budget", [("full", None), ("window", 24), ("h2o", 24), ("tova", 24)])
+def test_a_compiled_pool_step_is_one_graph_per_bucket_kept_across_evicting_steps(tiny_llama, compiled_on_dynamo,
+                                                                                    name, budget):
+    """Two requests, then a third joining: no graph break, the eager pool's tokens, one graph for each bucket of
+    rows (2, then 4) and none more over the steps, evicting at every one."""
+    settings = RunSettings(budget=budget, evict_every=4 if name == "tova" else 1)
+
+    def run(compile: bool) -> tuple[list[list[int]], int]:
+        tiny_llama.compile = compile
+        try:
+            sessions = [Session(tiny_llama, build_policy(name, {}), settings, prompt_tokens=50, adds=40)
+                        for _ in range(3)]
+            plan = pool_plan(sessions, 90)
+            assert not isinstance(plan, str)
+            pool = Pool(tiny_llama, plan, rows=4)
+            tokens: list[list[int]] = [[], [], []]
+            for step in range(32):
+                for index in (0, 1) if step == 0 else (2,) if step == 4 else ():
+                    sessions[index].prefill(random_ids(50, seed=index))
+                    tokens[index].append(int(sessions[index].logits.argmax()))
+                    pool.join(sessions[index])
+                if step == 8:
+                    warm = compiled_on_dynamo["stats"]["unique_graphs"]
+                out = pool.step([tokens[sessions.index(m)][-1] for m in pool.members])
+                for member, logits in zip(pool.members, out, strict=True):
+                    tokens[sessions.index(member)].append(int(logits.argmax()))
+        finally:
+            tiny_llama.compile = False
+        return tokens, warm
+
+    eager, _ = run(False)
+    compiled, warm = run(True)
+    assert compiled == eager
+    assert warm == compiled_on_dynamo["stats"]["unique_graphs"] <= 2 * 3
+    assert not compiled_on_dynamo["graph_break"]
 
 
 def _serve(lm, name, prompts, load, budget=None):
@@ -140,6 +183,13 @@ def test_an_unbounded_pool_grows_to_the_requests_running(tiny_llama):
     assert served.pool_rows == 16 and max(step["running"] for step in served.timeline) > 4
     for request in served.requests:
         assert _answer(tiny_llama, request) == _alone(tiny_llama, "full", request.prompt)
+
+
+def test_a_service_of_a_policy_keeping_queries_per_layer_steps_jointly_once_its_first_prompt_shows_it(tiny_llama):
+    prompts = _prompts(tiny_llama, 4)
+    service, served = _serve(tiny_llama, "rkv", prompts, Load(requests=4, rate=1000.0), budget=24)
+    assert service.pool is None and "queries per layer" in str(served.joint_because)
+    assert all(r.finished_s is not None for r in served.requests)
 
 
 def test_a_service_whose_rows_would_be_bounded_apart_steps_jointly_and_says_why(tiny_llama):

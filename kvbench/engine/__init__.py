@@ -11,6 +11,7 @@ that drives a model through it. Its modules import one another in this order, ea
     step        the decode step on static buffers: the slot each token takes
     cache       the cache (KVCache): sizing, compression, the static step's entry and accounts
     session     the calls every task makes (prefill, decode, step, score, fork); a joint step
+    pool        a service's rows of static buffers, one batched decode step for every request in them
 
 Below the engine: the policy contract (kvbench/policies/base.py), a run's settings, measurement; above it, what runs
 sessions: generation and a shared prefill (kvbench/generation.py, kvbench/sharing.py), tasks, sweeps, the service,

@@ -15,7 +15,8 @@ row; the last row in use moves into it, so the rows in use stay a prefix.
 A row's width is what each layer's rule reads: a bounded rule's own width (the budget and its room), or, where
 nothing bounds a layer, the most any request of the service holds once its prompt is compressed and its answer
 written (`PoolPlan`). Rows share each layer's rule, so a policy joins a pool only where every request's decoding is
-bounded alike (`pool_plan` says why not otherwise; such a service steps its requests jointly, kvbench/engine/joint.py).
+bounded alike and keeps its state per slot (`pool_plan` says why not otherwise, `PoolRefused` once a prompt shows
+it; such a service steps its requests jointly, kvbench/engine/joint.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import torch
 
 from kvbench.engine.cache import CacheSettings, KVCache, Phase, step_blocker
 from kvbench.engine.layer import PADDING, LayerKV
-from kvbench.engine.session import Session, compiled_step, static_step
+from kvbench.engine import session as engine_session
+from kvbench.engine.session import Session
 from kvbench.engine.step import Append, EvictEvery, SlotRule, StaticSlots, rule_for, same_rule
 from kvbench.errors import KvbenchError
 from kvbench.measure import Stopwatch
@@ -86,6 +88,10 @@ def pool_plan(sessions: Sequence[Session], append_width: int) -> PoolPlan | str:
     return PoolPlan(tuple(rules), widths)
 
 
+class PoolRefused(Exception):
+    """A request the pool cannot hold a row of, known only once its prompt is in: why, in a few words."""
+
+
 @dataclass
 class _LayerPool:
     """One layer's buffers over every row."""
@@ -129,9 +135,12 @@ class Pool:
         """Move `session` (prefilled, its prediction pending) into a free row: its cache goes static, its slots
         are copied into the row and its layers read and write the row from then on."""
         assert self.has_room(), "a request joins a pool with a free row"
+        cache = session.cache
+        if session.policy.schedule.decodes and any(layer.layer_stats for layer in cache.layers):
+            # a window of each request's queries (R-KV), their moments (Expected Attention while decoding)
+            raise PoolRefused("it keeps statistics of each request's queries per layer while decoding")
         if len(self.members) == self.rows and self.layers:
             self._grow()
-        cache = session.cache
         session.enter_decode()
         if not cache.go_static(compiled=True):
             raise KvbenchError(f"policy '{session.policy.name}' cannot step on static buffers here: its requests "
@@ -247,7 +256,8 @@ class Pool:
         ids[: len(members), 0] = torch.tensor(list(tokens))
         lm = self.lm
         clock = Stopwatch(lm.devices)
-        logits = (compiled_step(self.device) if lm.compile else static_step)(lm, cache, ids.to(self.device))
+        step = engine_session.compiled_step(self.device) if lm.compile else engine_session.static_step
+        logits = step(lm, cache, ids.to(self.device))
         logits = logits[: len(members)].clone()  # a CUDA graph's output is overwritten by its next replay
         seconds = clock.lap()
         for session, row in zip(members, logits.split(1), strict=True):  # one op for every row

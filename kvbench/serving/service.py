@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from kvbench.engine.accounting import kept_mean
-from kvbench.engine.pool import Pool, pool_plan
+from kvbench.engine.pool import Pool, PoolRefused, pool_plan
 from kvbench.engine.session import step_together
 from kvbench.generation import Prompt, stopped
 from kvbench.measure import PeakMemory
@@ -226,8 +226,18 @@ class Service:
             request.first_token_s = self.clock.now()
         self.running.append(request)
         if self.pool is not None:
-            self.pool.join(session)
+            self._join(session)
         self._finish_ended()
+
+    def _join(self, session: Session) -> None:
+        """The request's session takes a row of the pool; a policy whose first request shows that its rows cannot
+        share one (`PoolRefused`) has all its requests step jointly instead."""
+        assert self.pool is not None
+        try:
+            self.pool.join(session)
+        except PoolRefused as refused:
+            assert not self.pool.members, "the requests of one policy share the pool or none does"
+            self.pool, self.joint_because = None, str(refused)
 
     # --- decoding -----------------------------------------------------------------------------------------
     def _step(self) -> None:
