@@ -17,6 +17,8 @@ as requests join, the joint step's grows with them.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -123,16 +125,20 @@ def joint_step_ops(lm: LoadedModel, context: int) -> None:
                 pool.join(session)
                 joint.append(Session(lm, build_policy(name, {}), settings, prompt_tokens=context, adds=8))
                 joint[-1].prefill(prompt)
-            for kind, step in (("pool", lambda: pool.step([1] * running)),
-                               ("joint", lambda: step_together(joint, [1] * running))):
-                step()  # warm up
-                with StepWork() as work:
-                    step()
-                counts[kind, name, running] = work.ops
+            counts["pool", name, running] = _step_ops(pool.step, running)
+            counts["joint", name, running] = _step_ops(partial(step_together, joint), running)
     for kind in ("pool", "joint"):
         print(f"aten ops per {kind} decode step (1 / 4 / 8 running requests): " + "; ".join(
             f"{name} {counts[kind, name, 1]} / {counts[kind, name, 4]} / {counts[kind, name, 8]}"
             for name in ("full", "snapkv")))
+
+
+def _step_ops(step: Callable[[list[int]], torch.Tensor], running: int) -> int:
+    """Aten ops of a decode step of `running` requests, after one to warm up."""
+    step([1] * running)
+    with StepWork() as work:
+        step([1] * running)
+    return work.ops
 
 
 if __name__ == "__main__":

@@ -59,3 +59,19 @@ needs_embedded = pytest.mark.skipif(
 def smollm():
     """The embedded SmolLM2-135M-Instruct, loaded once for the few tests that need a real model."""
     return load_model("smollm2-135m", dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def compiled_on_dynamo(monkeypatch):
+    """The static step compiled whole by dynamo (no graph break: `fullgraph`), run without inductor's code
+    generation; yields the graphs dynamo made."""
+    from torch._dynamo.utils import counters
+
+    import kvbench.engine.session as engine_session
+
+    compiled = torch.compile(engine_session.static_step, fullgraph=True, dynamic=False, backend="eager")
+    monkeypatch.setattr(engine_session, "compiled_step", lambda device: compiled)
+    torch._dynamo.reset()
+    counters.clear()
+    yield counters
+    torch._dynamo.reset()

@@ -17,7 +17,6 @@ from kvbench.session import RunSettings, Session
 from tests.conftest import random_ids
 from tests.helpers import tiny_policy
 from tests.test_load import _alone, _answer, _prompts
-from tests.test_static_step import compiled_on_dynamo  # noqa: F401  # a fixture
 
 STEPS = 8
 

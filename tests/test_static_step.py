@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvbench.engine.session as session_module
 from kvbench.cache import KVCache, step_blocker
 from kvbench.measure import StepWork
 from kvbench.policies import POLICIES
@@ -135,20 +134,6 @@ def test_a_static_step_reads_nothing_back_from_the_device(tiny_llama, name):
                 token = session.step(token).argmax(-1)
     assert session.cache.static and work.ops > 0
     assert not work.syncs, dict(work.syncs)
-
-
-@pytest.fixture
-def compiled_on_dynamo(monkeypatch):
-    """The static step compiled whole by dynamo (no graph break: `fullgraph`), run without inductor's code
-    generation; yields the graphs dynamo made."""
-    from torch._dynamo.utils import counters
-
-    compiled = torch.compile(session_module.static_step, fullgraph=True, dynamic=False, backend="eager")
-    monkeypatch.setattr(session_module, "compiled_step", lambda device: compiled)
-    torch._dynamo.reset()
-    counters.clear()
-    yield counters
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("name", ["full", "window", "streaming_llm", "snapkv", "h2o", "tova", "scissorhands",

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvbench.engine import session as engine_session
 from kvbench.engine.cache import CacheSettings, KVCache, Phase, step_blocker
 from kvbench.engine.layer import PADDING, LayerKV
-from kvbench.engine import session as engine_session
 from kvbench.engine.session import Session
 from kvbench.engine.step import Append, EvictEvery, SlotRule, StaticSlots, rule_for, same_rule
 from kvbench.errors import KvbenchError
