@@ -13,7 +13,8 @@
 #   kvbench check              97-113 s   budget 150 s: random init, ~25 forwards of 16k tokens
 #   gpu/sweep.yaml             50-53 s    budget  80 s: random init on the GPU, 4 cells x (warm-up + timed run)
 #   gpu/pressure.yaml          30-38 s    budget  60 s: 9 cells, the 99% ones out of memory at their first allocation
-#   gpu/load.yaml              not yet    budget 120 s: random init, 2 cells of 8 requests served under load
+#   gpu/load.yaml              not yet    budget 120 s: random init, 2 cells' rate searches of 8 requests, up to
+#                                         4 rates each
 #   decode_step.py             not yet    budget 140 s: a 32k prefill, 4 policies' steps eager and compiled (CUDA
 #                                         graphs) on the 8B shape's first 8 layers, its compiles kept short
 #   check.py                   ~3 s

@@ -3,15 +3,19 @@ attainment of requests within it, found by `rates: auto`'s search), in a pool th
 requests, on the embedded model; and the aten ops one decode step dispatches at 1, 4 and 8 running requests, the pool's
 batched step beside the joint one that attends request by request.
 
-    python benchmarks/load.py [--model smollm2-135m] [--context 512] [--tokens 96] [--requests 8]
-                              [--policies full snapkv window h2o] [--budget 0.25] [--start 0.05] [--refine 2]
+    python benchmarks/load.py [--model smollm2-135m] [--task niah|longgen] [--context 512] [--tokens 96]
+                              [--requests 8] [--policies full snapkv window h2o] [--budget 0.25] [--start 0.05]
+                              [--refine 2]
 
-The workload binds decode and the pool: prompts of `--context` tokens (needle questions, scored) with answers of up to
-`--tokens`. Every policy serves the same requests at the same seeded arrivals, scaled by the rate. Reports per policy
-the sustained rate, every rate tried with its attainment, the mean score at the sustained rate and whether each of
-its finished answers equals its unbatched run (`generate`), then each policy's sustained rate over full's, measured in
-this one run. The op count is the machine's independent measure of a step's cost: the pool's batched step's stays flat
-as requests join, the joint step's grows with them.
+Two workloads: needle questions of `--context` tokens (scored by the task; a found needle is a short answer, so the
+prefill binds), or passages of a book continued for `--tokens` (`--task longgen`: long answers, so decode and the
+pool bind; quality is the perplexity of the book's own continuation through the policy's cache, teacher-forced, each
+passage alone). Every policy serves the same requests at the same seeded arrivals, scaled by the rate. Reports per
+policy the sustained rate, every rate tried with its attainment, the quality (the needle's score at the sustained
+rate, or the perplexity), the pool's rows, and whether each of its finished answers equals its unbatched run
+(`generate`); then each policy's sustained rate and quality over full's, measured in this one run. The op count is
+the machine's independent measure of a step's cost: the pool's batched step's stays flat as requests join, the joint
+step's grows with them.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from kvbench.policies import build_policy
 from kvbench.serving import Load, Served, Service, pool_bytes, service_metrics
 from kvbench.session import RunSettings, Session, step_together
 from kvbench.tasks import build_task
-from kvbench.tasks.base import encode_prompt
+from kvbench.tasks.base import Sample, encode_prompt
 
 
 def main() -> None:
@@ -39,9 +43,15 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--task", choices=["niah", "longgen"], default="niah",
+                        help="needle questions (scored, short answers), or passages of a book continued for --tokens "
+                             "(long answers: decode and the pool bind; quality: the perplexity of the book's own "
+                             "continuation through the policy's cache, teacher-forced alone)")
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--policies", nargs="+", default=["full", "snapkv", "window", "h2o"])
-    parser.add_argument("--budget", type=float, default=0.25, help="every policy but full's, a share of the prompt")
+    parser.add_argument("--budget", type=_budget, default=0.25,
+                        help="every policy but full's: a share of the prompt (0.25), or tokens (128: every request "
+                             "bounded alike, so a decode-time policy's rows share a pool)")
     parser.add_argument("--ttft", type=float, default=10.0, help="SLO: seconds to the first token")
     parser.add_argument("--tpot", type=float, default=0.5, help="SLO: seconds per output token")
     parser.add_argument("--attainment", type=float, default=0.9)
@@ -54,17 +64,21 @@ def main() -> None:
     lm = load_model(args.model)
     if not args.skip_ops:
         joint_step_ops(lm, args.context)
-    task = build_task("niah", {"depths": [0.25, 0.5, 0.75]})
-    samples = task.samples(lm.tokenizer, args.context, 4, 0)
-    prompts = [Prompt(*encode_prompt(lm.tokenizer, samples[i % len(samples)]), args.tokens, ())
-               for i in range(args.requests)]
-    references = [samples[i % len(samples)] for i in range(args.requests)]
+    if args.task == "niah":
+        task = build_task("niah", {"depths": [0.25, 0.5, 0.75]})
+        samples = task.samples(lm.tokenizer, args.context, 4, 0)
+        references = [samples[i % len(samples)] for i in range(args.requests)]
+        prompts = [Prompt(*encode_prompt(lm.tokenizer, sample), args.tokens, ()) for sample in references]
+    else:
+        task = build_task("longgen", {"length": args.tokens})
+        references = task.samples(lm.tokenizer, args.context, args.requests, 0)
+        prompts = [Prompt(sample.token_ids, [], args.tokens, ()) for sample in references]
     longest = max(len(p.context) + len(p.question) for p in prompts)
     pool = pool_bytes(lm, f"{2 * (longest + args.tokens)} tokens", None)
     print(f"pool {pool / 2**20:.1f} MiB ({2 * (longest + args.tokens)} tokens), {args.requests} requests of "
           f"~{longest} prompt and <= {args.tokens} answer tokens, SLO TTFT <= {args.ttft} s, TPOT <= {args.tpot} s, "
           f"sustained at {args.attainment:.0%} within it")
-    sustained = {}
+    sustained, scores = {}, {}
     for name in args.policies:
         settings = RunSettings(budget=None if name == "full" else args.budget)
         held, order, tried = search(lm, name, settings, prompts, pool, args)
@@ -72,12 +86,18 @@ def main() -> None:
         served, metrics = tried[order[0] if held is None else held]
         finished = [r for r in served.requests if r.finished_s is not None]
         texts = [answer(lm, r.tokens, lm.eos_token_ids, ()) for r in finished]
-        score = sum(task.score(text, references[r.index]).get("score", 0.0)
-                    for r, (text, _) in zip(finished, texts, strict=True)) / max(len(finished), 1)
+        if args.task == "niah":
+            score = sum(task.score(text, references[r.index]).get("score", 0.0)
+                        for r, (text, _) in zip(finished, texts, strict=True)) / max(len(finished), 1)
+            quality = f"score {score:.2f}"
+        else:
+            score = perplexity(lm, name, settings, references)
+            quality = f"perplexity {score:.2f}"
+        scores[name] = score
         same = all(tokens == generate(lm, build_policy(name, {}), r.prompt.context, r.prompt.question, settings,
                                       args.tokens).tokens for r, (_, tokens) in zip(finished, texts, strict=True))
         rates = ", ".join(f"{rate:g}: {tried[rate][1]['slo_attained']:.2f}" for rate in sorted(tried))
-        print(f"{name:7s} sustains {'none' if held is None else f'{held:g} req/s'}  score {score:.2f}  "
+        print(f"{name:7s} sustains {'none' if held is None else f'{held:g} req/s'}  {quality}  "
               f"p99 TTFT {metrics['ttft_p99']:.1f} s  p50 TPOT {1000 * (metrics['tpot_p50'] or 0):.0f} ms  "
               f"running {metrics['concurrency_mean']:.1f} (peak {metrics['concurrency_peak']}, "
               f"rows {metrics['pool_rows']}, step {metrics['pool_step']})  "
@@ -85,6 +105,10 @@ def main() -> None:
     full = sustained.get("full") or float("nan")
     print("sustained rate vs full: " + ", ".join(f"{name} {rate / full:.2f}x" for name, rate in sustained.items()
                                                   if name != "full"))
+    if "full" in scores:  # quality as a share of full's: a score, or full's perplexity over the policy's
+        share = {name: (score / scores["full"] if args.task == "niah" else scores["full"] / score) if score else 0.0
+                 for name, score in scores.items() if name != "full"}
+        print("quality vs full: " + ", ".join(f"{name} {value:.3f}" for name, value in share.items()))
 
 
 def search(lm: LoadedModel, name: str, settings: RunSettings, prompts: list[Prompt], pool: int | None,
@@ -131,6 +155,24 @@ def joint_step_ops(lm: LoadedModel, context: int) -> None:
         print(f"aten ops per {kind} decode step (1 / 4 / 8 running requests): " + "; ".join(
             f"{name} {counts[kind, name, 1]} / {counts[kind, name, 4]} / {counts[kind, name, 8]}"
             for name in ("full", "snapkv")))
+
+
+def perplexity(lm: LoadedModel, name: str, settings: RunSettings, samples: list[Sample]) -> float:
+    """The mean perplexity of each passage's own continuation through `name`'s cache, token by token as if
+    generated (the long-generation task's score), each passage alone."""
+    values = []
+    for sample in samples:
+        continuation = sample.meta["continuation"]
+        session = Session(lm, build_policy(name, {}), settings, prompt_tokens=len(sample.token_ids),
+                          adds=len(continuation))
+        session.prefill(sample.token_ids)
+        values.append(float((-session.score(continuation, chunk=1).logprobs).mean().exp()))
+    return sum(values) / len(values)
+
+
+def _budget(text: str) -> float | int:
+    value = float(text)
+    return int(value) if value >= 1 else value
 
 
 def _step_ops(step: Callable[[list[int]], torch.Tensor], running: int) -> int:

@@ -108,8 +108,9 @@ def sustained_lines(frame: pd.DataFrame, label) -> list[str]:
             best = held.iloc[-1]
             bound = "" if not best["rate_searched"] else ", the search's limit" if pd.isna(best["missed_rate"]) \
                 else f", not {best['missed_rate']:.3g}"
+            rows = "" if pd.isna(best.get("pool_rows")) else f"{best['pool_rows']:.0f} rows of the pool, "
             lines.append(f"{task}: {setting} sustains {best['load_rate']:.3g} req/s at the SLO "
-                         f"({best['load_attainment']:.0%} within it{bound}; "
+                         f"({best['load_attainment']:.0%} within it{bound}; {rows}"
                          f"goodput {best['goodput']:.2f}/s, p99 TTFT {best['ttft_p99']:.2f} s, "
                          f"{best['preemptions']:.0f} preempted, {best['rejected']:.0f} rejected; score "
                          f"{best['score']:.2f}).")

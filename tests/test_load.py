@@ -16,6 +16,7 @@ from kvbench.cli import app
 from kvbench.generation import Prompt, answer, generate
 from kvbench.joint import step_together
 from kvbench.load import searched_rates
+from kvbench.load_report import sustained_lines
 from kvbench.measure import PeakMemory
 from kvbench.models import load_model
 from kvbench.policies import POLICIES, build_policy
@@ -340,6 +341,8 @@ def test_a_load_sweep_records_its_requests_and_a_rerun_counts_none_twice(tmp_pat
     assert len(statuses) == 4 and all(s["load"]["finished"] + s["load"]["rejected"] == 6 for s in statuses.values())
     frame = summarize(run)
     assert frame["goodput"].notna().all() and set(frame["load_rate"]) == {5, 50}
+    assert set(frame["pool_step"]) == {"batched"} and frame["pool_rows"].min() >= 2  # rows of the pool's own
+    assert all("rows of the pool" in line for line in sustained_lines(frame, lambda row: row["policy"]))
     # a load cell cut short after its records: it runs again whole, and only the rerun's records count
     lines = (run / "cells.jsonl").read_text().splitlines()
     (run / "cells.jsonl").write_text("\n".join(lines[:-1]) + "\n")

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from kvbench.cli import app
 from kvbench.engine.pool import Pool, PoolRefused, pool_plan
 from kvbench.measure import PeakMemory, StepWork
 from kvbench.models import load_model
@@ -16,7 +17,8 @@ from kvbench.serving import Load, Service
 from kvbench.session import RunSettings, Session
 from tests.conftest import random_ids
 from tests.helpers import tiny_policy
-from tests.test_load import _alone, _answer, _prompts
+from tests.test_load import LOAD, _alone, _answer, _prompts
+from tests.test_sweep import runner, write_config
 
 STEPS = 8
 
@@ -198,3 +200,13 @@ def test_a_service_whose_rows_would_be_bounded_apart_steps_jointly_and_says_why(
     assert service.pool is None and "its own length" in str(served.joint_because)
     for request in served.requests:
         assert _answer(tiny_llama, request) == _alone(tiny_llama, "window", request.prompt, 0.5)
+
+
+def test_a_dry_run_counts_the_rows_a_pool_holds(tmp_path):
+    """600 tokens of pool: full's rows hold a 256-token prompt and its 4 answer tokens, window's its quarter and a
+    slot."""
+    config = write_config(tmp_path, LOAD)
+    planned = runner.invoke(app, ["sweep", str(config), "--dry-run", "-o", str(tmp_path / "r")])
+    assert planned.exit_code == 0, planned.output
+    text = " ".join(planned.output.split())
+    assert "full 2 at once (a row of" in text and "window at 0.25 9 at once (a row of" in text, text

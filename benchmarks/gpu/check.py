@@ -39,11 +39,12 @@ GiB = 2**30
 
 @dataclass
 class Verdict:
-    """The table's rows, the problems (each one fails the check) and the warnings."""
+    """The table's rows, the problems (each one fails the check), the warnings and what the load cells sustained."""
 
     rows: list[list[str]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    sustained: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -136,6 +137,11 @@ def check_run(out: Path, run: str, verdict: Verdict) -> None:
         state = statuses.get(cell_id, {"status": "missing", "message": ""})
         problems = cell_problems(cell, state, records[cell_id], manifest)
         verdict.problems.extend(f"{where}: {problem}" for problem in problems)
+        service = state.get("load") or {}
+        if "sustained_rate" in service:
+            verdict.sustained.append(f"{where}: sustains {service['sustained_rate']} req/s (missed "
+                                     f"{service.get('missed_rate')}), pool rows {service.get('pool_rows')}, step "
+                                     f"{service.get('pool_step')}")
         if state["status"] != "ok":
             verdict.rows.append([run, cell_label(cell), memory, f"{state['status']} {state['message'][:60]}".strip(),
                                  "-", "-", "", "FAIL" if problems else "ok"])
@@ -243,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     out = parser.parse_args(argv).out
     verdict = check(out)
     print(f"\n{environment_line(out)}\n\n{table(verdict.rows)}\n")
+    for line in verdict.sustained:
+        print(f"under load: {line}")
     for warning in verdict.warnings:
         print(f"warning: {warning}")
     for problem in verdict.problems:

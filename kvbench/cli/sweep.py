@@ -195,6 +195,7 @@ def pool_lines(cells: list[Cell], plans: dict[tuple[str, str], tuple[Any, float,
     """Per load condition, how many requests each policy's cache lets the pool hold at once, from the model's shape
     (its full-attention layers: a sliding window's cap is not counted)."""
     from kvbench.cells import cell_task
+    from kvbench.engine.pool import pool_blocker
     from kvbench.estimate import human_bytes
     from kvbench.serving import need_tokens, pool_spec
     from kvbench.summary import load_label
@@ -214,11 +215,13 @@ def pool_lines(cells: list[Cell], plans: dict[tuple[str, str], tuple[Any, float,
         else:
             count, unit = pool_spec(d["load"]["kv_pool"])
             pool = count if unit == "bytes" else count * per_token
-            # while one request's prompt is compressed, the others hold what they keep
             largest, held = max(need) * per_token, need.held * per_token
-            fits = 0 if largest > pool else 1 + int((pool - largest) // held)
-            admitted = f"{fits} at once ({human_bytes(held)} each, {human_bytes(need.peak * per_token)} while " \
-                       f"compressing its prompt; pool {human_bytes(pool)})"
+            if pool_blocker(cell.policy()) is None:  # a row each, its prompt prefilled beside the pool
+                admitted = f"{int(pool // held)} at once (a row of {human_bytes(held)} each; pool {human_bytes(pool)})"
+            else:  # stepping jointly: while one request's prompt is compressed, the others hold what they keep
+                fits = 0 if largest > pool else 1 + int((pool - largest) // held)
+                admitted = f"{fits} at once ({human_bytes(held)} each, {human_bytes(need.peak * per_token)} while " \
+                           f"compressing its prompt; pool {human_bytes(pool)})"
         budget = "" if d["budget"] is None else f" at {d['budget']}"
         lines.setdefault(where, []).append(f"{cell.policy_label}{budget} {admitted}")
     return [f"{where}: " + "; ".join(dict.fromkeys(counts)) for where, counts in lines.items()]

@@ -143,8 +143,7 @@ class Pool:
             self._grow()
         session.enter_decode()
         if not cache.go_static(compiled=True):
-            raise KvbenchError(f"policy '{session.policy.name}' cannot step on static buffers here: its requests "
-                               f"decode jointly, outside the pool")
+            raise PoolRefused("its cache does not step on static buffers once its prompt is in")
         if not self.layers:
             self._allocate(cache)
         row = len(self.members)
