@@ -1,10 +1,13 @@
 """kvbench's modules import one another one way: no cycle, counting the imports inside functions too (an import
-that hides in a function to dodge a cycle is still one), and the engine imports nothing above it."""
+that hides in a function to dodge a cycle is still one), the engine imports nothing above it; and a wheel holds
+every package."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # the source folders and the packages they install as (pyproject.toml's package-dir)
@@ -109,3 +112,12 @@ def test_the_engine_imports_nothing_above_it():
         if module.startswith("kvbench.engine"):
             above = {t for t in targets if not t.startswith("kvbench.engine") and t not in below}
             assert not above, (module, sorted(above))
+
+
+def test_every_package_is_installed():
+    """A wheel holds the packages pyproject.toml names, not every folder: a package left off its list imports from
+    a checkout (or an editable install) and is missing from `pip install kvbench`."""
+    tomllib = pytest.importorskip("tomllib")
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {name for name, path in modules().items() if path.name == "__init__.py"}
+    assert found == listed
