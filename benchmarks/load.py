@@ -102,9 +102,11 @@ def main() -> None:
               f"running {metrics['concurrency_mean']:.1f} (peak {metrics['concurrency_peak']}, "
               f"rows {metrics['pool_rows']}, step {metrics['pool_step']})  "
               f"answers as alone: {same}  [rate: attainment {rates}]", flush=True)
-    full = sustained.get("full") or float("nan")
-    print("sustained rate vs full: " + ", ".join(f"{name} {rate / full:.2f}x" for name, rate in sustained.items()
-                                                  if name != "full"))
+    if sustained.get("full"):
+        print("sustained rate vs full: " + ", ".join(f"{name} {rate / sustained['full']:.2f}x"
+                                                      for name, rate in sustained.items() if name != "full"))
+    elif "full" in sustained:
+        print(f"sustained rate vs full: undefined, full holds no rate down to {args.start:g} req/s")
     if "full" in scores:  # quality as a share of full's: a score, or full's perplexity over the policy's
         share = {name: (score / scores["full"] if args.task == "niah" else scores["full"] / score) if score else 0.0
                  for name, score in scores.items() if name != "full"}
