@@ -116,11 +116,22 @@ class RunFolder:
 
     def lock(self) -> None:
         """Become the folder's one writer (creating it): an exclusive lock on `writer.lock`, held until `release`
-        or until this process ends, however it ends. Held by another process: a one-line error naming it."""
+        or until this process ends, however it ends. Held by another process, or a path no folder can be made at:
+        a one-line error naming it."""
         if self._lock is not None:
             return
-        self.path.mkdir(parents=True, exist_ok=True)
-        handle = (self.path / LOCK).open("a+", encoding="utf-8")
+        in_the_way = next((path for path in (self.path, *self.path.parents) if path.exists() and not path.is_dir()),
+                          None)
+        if in_the_way is not None:
+            raise KvbenchError(f"cannot write the run's folder {self.path}: {in_the_way} is a file; give another "
+                               "--output folder")
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            handle = (self.path / LOCK).open("a+", encoding="utf-8")
+        except OSError as error:  # no permission, a full disk
+            reason = (error.strerror or str(error)).lower()
+            raise KvbenchError(f"cannot write the run's folder {self.path}: {reason}; give another --output "
+                               "folder") from None
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 from kvbench.cells import expand
 from kvbench.cli import app
 from kvbench.config import load_config
+from kvbench.errors import KvbenchError
 from kvbench.policies import POLICIES, build_policy
 from kvbench.results import RunFolder
 from kvbench.session import Prompt, RunSettings, Session, generate, generate_rows
@@ -318,6 +319,16 @@ def test_two_sweeps_on_one_folder_cannot_both_run(tmp_path, ragged):
     assert first.returncode == 0, err
     # each (cell, sample) once: only the first sweep wrote
     assert len(records_by_key(run)) == len(expand(load_config(config))) * 6
+
+
+@pytest.mark.parametrize("where", ["run", "run/inside"])
+def test_a_run_folder_where_a_file_is_is_a_one_line_error(tmp_path, where):
+    (tmp_path / "run").write_text("not a folder")
+    with pytest.raises(KvbenchError) as raised:
+        RunFolder(tmp_path / where).lock()
+    assert str(raised.value) == (f"cannot write the run's folder {tmp_path / where}: {tmp_path / 'run'} is a file; "
+                                 "give another --output folder")
+    assert (tmp_path / "run").read_text() == "not a folder"
 
 
 def test_a_killed_sweep_leaves_no_lock_behind(tmp_path, ragged):
