@@ -120,16 +120,13 @@ class RunFolder:
         a one-line error naming it."""
         if self._lock is not None:
             return
-        in_the_way = next((path for path in (self.path, *self.path.parents) if path.exists() and not path.is_dir()),
-                          None)
-        if in_the_way is not None:
-            raise KvbenchError(f"cannot write the run's folder {self.path}: {in_the_way} is a file; give another "
-                               "--output folder")
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             handle = (self.path / LOCK).open("a+", encoding="utf-8")
-        except OSError as error:  # no permission, a full disk
-            reason = (error.strerror or str(error)).lower()
+        except OSError as error:  # a file where the folder goes or above it, no permission, a full disk
+            in_the_way = next((path for path in (self.path, *self.path.parents)
+                               if path.exists() and not path.is_dir()), None)
+            reason = f"{in_the_way} is a file" if in_the_way else (error.strerror or str(error)).lower()
             raise KvbenchError(f"cannot write the run's folder {self.path}: {reason}; give another --output "
                                "folder") from None
         try:
