@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from kvbench.cells import expand
-from kvbench.config import SweepConfig
-from kvbench.models import load_model
-from kvbench.outcomes import CollectedOutcomes
-from kvbench.sweep import run_group
+from kvbench.config.cells import expand
+from kvbench.config.schema import SweepConfig
+from kvbench.engine.models import load_model
+from kvbench.runs.outcomes import CollectedOutcomes
+from kvbench.runs.sweep import run_group
 
 POLICIES: list[Any] = ["full", "window", {"name": "streaming_llm", "sinks": 4}, {"name": "h2o", "recent_ratio": 0.5},
                        {"name": "snapkv", "window": 32}]

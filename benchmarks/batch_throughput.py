@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from kvbench.models import load_model
+from kvbench.engine.generation import generate_batch
+from kvbench.engine.models import load_model
+from kvbench.engine.settings import RunSettings
 from kvbench.policies import build_policy
-from kvbench.session import RunSettings, generate_batch
 from kvbench.tasks.corpus import load_corpus
 
 

@@ -16,9 +16,10 @@ import time
 
 import torch
 
-from kvbench.models import load_model
+from kvbench.engine.generation import generate
+from kvbench.engine.models import load_model
+from kvbench.engine.settings import RunSettings
 from kvbench.policies import build_policy
-from kvbench.session import RunSettings, generate
 from kvbench.tasks import build_task, encode_prompt
 
 

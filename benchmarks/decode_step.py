@@ -33,10 +33,12 @@ from pathlib import Path
 import torch
 from stats_scaling import load_layers
 
-from kvbench.cache import step_blocker
-from kvbench.measure import StepWork, synchronize
+from kvbench.engine.cache import step_blocker
+from kvbench.engine.instruments import StepWork, synchronize
+from kvbench.engine.session import Session
+from kvbench.engine.settings import RunSettings
+from kvbench.engine.sharing import shared_prefill
 from kvbench.policies import build_policy
-from kvbench.session import RunSettings, Session, shared_prefill
 
 POLICIES = {"full": ("full", {}), "window": ("window", {}), "streaming_llm": ("streaming_llm", {}),
             "snapkv": ("snapkv", {}), "h2o": ("h2o", {}), "tova": ("tova", {}), "ada_kv": ("ada_kv", {}),

@@ -18,9 +18,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvbench.cache import CacheSettings, KVCache, Phase
-from kvbench.measure import synchronize
-from kvbench.models import resolve_device, resolve_dtype
+from kvbench.engine.cache import CacheSettings, KVCache, Phase
+from kvbench.engine.instruments import synchronize
+from kvbench.engine.models import resolve_device, resolve_dtype
 from kvbench.policies import build_policy
 
 LAYERS, KV_HEADS, HEADS, HEAD_DIM = 32, 8, 32, 128

@@ -16,10 +16,11 @@ import time
 
 import torch
 
-from kvbench.joint import step_together
-from kvbench.models import load_model
+from kvbench.engine.generation import left_padded
+from kvbench.engine.models import load_model
+from kvbench.engine.session import Session, step_together
+from kvbench.engine.settings import RunSettings
 from kvbench.policies import build_policy
-from kvbench.session import RunSettings, Session, left_padded
 
 
 def main() -> None:

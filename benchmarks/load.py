@@ -26,14 +26,15 @@ from functools import partial
 
 import torch
 
+from kvbench.engine.generation import Prompt, answer, generate
+from kvbench.engine.instruments import PeakMemory, StepWork
+from kvbench.engine.models import LoadedModel, load_model
 from kvbench.engine.pool import Pool, pool_plan
-from kvbench.generation import Prompt, answer, generate
-from kvbench.load import searched_rates
-from kvbench.measure import PeakMemory, StepWork
-from kvbench.models import LoadedModel, load_model
+from kvbench.engine.session import Session, step_together
+from kvbench.engine.settings import RunSettings
 from kvbench.policies import build_policy
+from kvbench.runs.load_cell import searched_rates
 from kvbench.serving import Load, Served, Service, pool_bytes, service_metrics
-from kvbench.session import RunSettings, Session, step_together
 from kvbench.tasks import build_task
 from kvbench.tasks.base import Sample, encode_prompt
 

@@ -8,7 +8,7 @@ long cache, in one run.
 
 Every length runs each policy `--repeats` times, interleaved (full, h2o, ..., full, h2o, ...), on a random
 prompt; the median prefill time is reported as a ratio over `full`'s, and the peak memory above the
-session's start (GPU: torch's allocator peak; CPU: the process RSS peak, kvbench.measure.PeakMemory) as
+session's start (GPU: torch's allocator peak; CPU: the process RSS peak, kvbench.engine.instruments.PeakMemory) as
 extra MiB over `full`'s. `--layers` keeps the model's first layers only (0: all): at long context a layer's
 attention, and its statistics, are most of the prefill, so the ratios barely depend on it; a `random:` model
 is built with only those layers (an 8B shape at full depth does not fit a small machine).
@@ -31,9 +31,10 @@ from collections.abc import Callable
 
 import torch
 
-from kvbench.models import RANDOM_SHAPES, LoadedModel, load_model
+from kvbench.engine.models import RANDOM_SHAPES, LoadedModel, load_model
+from kvbench.engine.session import Session
+from kvbench.engine.settings import RunSettings
 from kvbench.policies import build_policy
-from kvbench.session import RunSettings, Session
 
 POLICIES = ("full", "h2o", "snapkv", "tova", "scissorhands")
 

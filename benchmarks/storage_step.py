@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from eviction_step import median_ms, parse_args  # this folder's sibling script
 
-from kvbench.cache import CacheSettings, KVCache, Phase
+from kvbench.engine.cache import CacheSettings, KVCache, Phase
 from kvbench.policies import build_policy
 
 KV_HEADS, HEADS, HEAD_DIM = 8, 32, 128

@@ -19,11 +19,12 @@ import torch
 import transformers
 import yaml
 
-from kvbench.budgets import Threshold
-from kvbench.check import kept_channels, kept_masks
-from kvbench.models import load_model
+from kvbench.checks.suite import kept_channels, kept_masks
+from kvbench.engine.models import load_model
+from kvbench.engine.session import Session
+from kvbench.engine.settings import RunSettings
 from kvbench.policies.base import build_spec
-from kvbench.session import RunSettings, Session
+from kvbench.policies.budgets import Threshold
 from parity import ARTIFACT_PARAMS, artifact_folder, kept_per_head, pattern_folder
 
 CASES = Path(__file__).with_name("cases.yaml")

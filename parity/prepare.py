@@ -16,8 +16,9 @@ import transformers
 import yaml
 from transformers import AutoTokenizer
 
-from kvbench.calibrate import SIZES, calibrate
-from kvbench.models import load_model, local_source
+from kvbench.calibration.calibrate import calibrate
+from kvbench.calibration.methods import SIZES
+from kvbench.engine.models import load_model, local_source
 from kvbench.tasks.corpus import load_corpus
 from parity import artifact_folder, pattern_folder
 

@@ -1,6 +1,11 @@
 """Built-in KV-cache policies, one file each. `BUILT_IN` names the module that registers each: a policy's module is
 imported the first time its name is read (`POLICIES.get`, `build_policy`), so a run imports the policies it runs.
-A new policy is its file and its line here (tests/test_registry.py checks the index against the files)."""
+A new policy is its file and its line here (tests/test_registry.py checks the index against the files).
+
+The folder also holds the policy contract, which sits below the engine that drives it: `base` (`Policy`, its hooks
+and kinds), `schedule`, `budgets` (token, ratio and threshold budgets), `reference` (each policy's rule written from
+its definition, what `kvbench check` holds the engine to), `deprecated` and `full` (the reference every run is
+compared with). The policies themselves run on the engine."""
 
 from kvbench.policies.base import POLICIES, Demand, Policy, Schedule, build_policy, register
 

@@ -5,7 +5,7 @@ policy `needs_attention`) and, when it must evict, `score()`: the entries with t
 are kept, `budget` of them per KV head. Entries a policy must never evict get `+inf`.
 
 A policy whose scores can be read on a scale that means the same for every prompt says so in `threshold_scale`
-and returns them from `threshold_score`: it then takes a threshold budget (`{threshold: 0.01}`, kvbench/budgets.py),
+and returns them from `threshold_score`: it then takes a threshold budget (`{threshold: 0.01}`, policies/budgets.py),
 which keeps every entry that reaches it, any count per head.
 
 A compression policy (quant, mixed_precision, lowrank) returns a storage `layout()` instead; any eviction
@@ -33,10 +33,10 @@ from kvbench.registry import Registry, declared_params
 if TYPE_CHECKING:
     from kvbench.engine.cache import KVCache
     from kvbench.engine.layer import LayerKV
+    from kvbench.engine.models import LoadedModel
+    from kvbench.engine.session import Session
     from kvbench.engine.storage import Layout
-    from kvbench.models import LoadedModel
-    from kvbench.reference import Reference
-    from kvbench.session import Session
+    from kvbench.policies.reference import Reference
 
 HookScope = Literal["active", "first", "all"]
 
@@ -65,6 +65,11 @@ def hooks() -> dict[str, HookScope]:
     return {name: member.hook_scope for name, member in vars(Policy).items() if hasattr(member, "hook_scope")}
 
 
+# methods of a policy's kind, not hooks every policy has, and the kind that has each; None: kvbench's own
+NOT_ASKED: dict[str, str | None] = {"fold": "Merging", "layer_budgets": "LayerSpread", "read_mask": "Sparse",
+                                    "observers": None, "state_keys": None}
+
+
 @dataclasses.dataclass
 class Policy:
     name: ClassVar[str]
@@ -77,7 +82,7 @@ class Policy:
     family: ClassVar[str] = "eviction"
     # what `threshold_score` measures, in words (the docs' table); None: the policy takes no threshold budget
     threshold_scale: ClassVar[str | None] = None
-    # its colour in every figure (kvbench/plot.py), read from the class that declares it (a subclass is another
+    # its colour in every figure (kvbench/analysis/plot.py), read from the class that declares it (a subclass is another
     # policy); None: one picked from the palette by its name
     colour: ClassVar[str | None] = None
     # the kept entries stored compressed: a storage policy's name, or {name: {params}}
@@ -92,6 +97,13 @@ class Policy:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         translate_deprecated(cls)
+        for name in NOT_ASKED.keys() & vars(cls).keys():
+            kind = NOT_ASKED[name]
+            if kind is None or kind not in {base.__name__ for base in cls.__mro__}:
+                raise KvbenchError(f"policy class {cls.__name__} defines `{name}`, which kvbench asks only of "
+                                   + (f"a {kind} (kvbench.policies.base.{kind}): subclass it" if kind else
+                                      "itself: it gathers a policy's statistics from `needs_attention`, a wrapper's "
+                                      "stages and the storage"))
 
     @property
     def phases(self) -> tuple[str, ...]:
@@ -116,7 +128,7 @@ class Policy:
         return None if self._storage is None else self._storage.layout()
 
     def reference(self, lm: LoadedModel, prompt: list[int], decode: list[int], budget: int) -> Reference:
-        """What a plain loop written from the paper keeps (kvbench/reference.py) after `prompt` and each `decode`
+        """What a plain loop written from the paper keeps (policies/reference.py) after `prompt` and each `decode`
         token under `budget`; a policy whose class itself defines it is one `kvbench check` holds to it."""
         raise NotImplementedError(f"policy '{self.name}' has no plain-loop reference")
 
@@ -162,17 +174,6 @@ class Policy:
         of `score()` per head."""
         return None
 
-    @hook("active")
-    def fold(self, layer: LayerKV, evicted: torch.Tensor) -> None:
-        """Called before the slots `evicted` `[batch, heads, e]` leave: a merging policy folds them into
-        entries that stay. Dropping them (the default) needs nothing."""
-
-    @hook("first")
-    def layer_budgets(self, budget: int, num_layers: int, prompt_tokens: int | None = None) -> list[int]:
-        """Entries per KV head for each layer (the same `budget` everywhere by default); `prompt_tokens`, when the
-        cache knows it, lets a schedule cap a layer at what the prompt holds (PyramidKV)."""
-        return [budget] * num_layers
-
     @hook("all")
     def prepare(self, lm: LoadedModel) -> None:
         """Called when a session is made, before anything is fed: a policy may read or run the model here, once,
@@ -182,13 +183,6 @@ class Policy:
     def after_prompt(self, session: Session, prompt: torch.Tensor) -> None:
         """Called once the prompt `[rows, n]` is in `session`'s cache, before it is compressed: a policy may run
         extra forwards through it here (KVzip's reconstruction, with `session.probe`)."""
-
-    @hook("active")
-    def read_mask(self, layer: LayerKV, query: torch.Tensor, budget: int) -> torch.Tensor | None:
-        """A sparse policy's choice of what a decode step reads: `[batch, heads or kv_heads, length]`, True on the
-        slots the one-token `query` `[batch, heads, 1, head_dim]` attends to (the new token's slot among them),
-        about `budget` per head; None: every slot (the default, and what a dense layer reads)."""
-        return None
 
     @hook("active")
     def bounded(self, layer: LayerKV) -> bool:
@@ -242,19 +236,6 @@ class Policy:
         return {"name": self.name, **{key: getattr(self, key) for key in self.params()
                                       if key != "storage" or self.storage is not None}}
 
-    @hook("all")
-    def observers(self) -> list[Policy]:
-        """The policies whose `observe` must run for this one: itself, or a wrapper's stages, and its storage."""
-        return ([self] if self.needs_attention else []) + self._storage_answers("observers")
-
-    @hook("all")
-    def state_keys(self) -> list[str]:
-        """Every per-slot statistic this policy reads (a wrapper's stages and a storage have their own)."""
-        return [self.state_key] + self._storage_answers("state_keys")
-
-    def _storage_answers(self, hook_name: str) -> list:
-        """A list hook's answer from this policy's storage (ThinK observes the prompt's queries), [] without one."""
-        return [] if self._storage is None else getattr(self._storage, hook_name)()
 
     @functools.cached_property
     def state_key(self) -> str:
@@ -400,6 +381,85 @@ class RetrievalHeads(Policy):
         # a padding slot holds an entry dropped before (neither a sink nor recent) or a batch's left padding, which
         # the cache drops whatever a policy selects
         return retrieval[None, :, None] | (positions < self.sinks) | recent_mask(layer, budget - self.sinks)
+
+
+@dataclasses.dataclass
+class Merging(Policy):
+    """A policy that merges what it evicts (merge): before the slots `evicted` `[batch, heads, e]` leave, `fold`
+    writes them into entries that stay. Its decode steps run on the dynamic layout (they write into kept slots)."""
+
+    def fold(self, layer: LayerKV, evicted: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass
+class LayerSpread(Policy):
+    """A policy that spreads its budget unevenly over the layers (PyramidKV): `layer_budgets` is each layer's entries
+    per KV head; `prompt_tokens`, when the cache knows it, lets it cap a layer at what the prompt holds."""
+
+    def layer_budgets(self, budget: int, num_layers: int, prompt_tokens: int | None = None) -> list[int]:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass
+class Sparse(Policy):
+    """A policy that keeps every entry and chooses what each decode step reads (Quest): `read_mask` is
+    `[batch, heads or kv_heads, length]`, True on the slots the one-token `query` `[batch, heads, 1, head_dim]`
+    attends to (the new token's slot among them), about `budget` per head; None: every slot."""
+
+    schedule: ClassVar[Schedule] = Schedule.READ
+    family: ClassVar[str] = "sparse"
+
+    def read_mask(self, layer: LayerKV, query: torch.Tensor, budget: int) -> torch.Tensor | None:
+        raise NotImplementedError
+
+
+def acting(policy: Policy, cache: KVCache | None = None) -> Policy:
+    """The policy that acts for `policy`: down through wrappers, the stage in charge of `cache` (the first stage, the
+    one that compresses the prompt, without a cache)."""
+    while isinstance(policy, Wrapper):
+        policy = policy._stages[0] if cache is None else policy.stage(cache)
+    return policy
+
+
+def spread_budgets(policy: Policy, budget: int, num_layers: int, prompt_tokens: int | None = None) -> list[int]:
+    """Entries per KV head for each layer: `budget` everywhere, unless the policy spreads it (`LayerSpread`)."""
+    first = acting(policy)
+    return first.layer_budgets(budget, num_layers, prompt_tokens) if isinstance(first, LayerSpread) \
+        else [budget] * num_layers
+
+
+def folds(policy: Policy) -> bool:
+    """Whether `policy` or a stage of it merges what it evicts (`Merging`)."""
+    return isinstance(policy, Merging) or isinstance(policy, Wrapper) and any(map(folds, policy.stages))
+
+
+def fold_evicted(policy: Policy, layer: LayerKV, evicted: torch.Tensor) -> None:
+    """Before `evicted` leave `layer`: the acting policy folds them into kept entries if it merges."""
+    active = acting(policy, layer.owner)
+    if isinstance(active, Merging):
+        active.fold(layer, evicted)
+
+
+def sparse_reads(policy: Policy, layer: LayerKV, query: torch.Tensor, budget: int) -> torch.Tensor | None:
+    """What a decode step reads of `layer`: the acting policy's choice if it is sparse (`Sparse`), else None (all)."""
+    active = acting(policy, layer.owner)
+    return active.read_mask(layer, query, budget) if isinstance(active, Sparse) else None
+
+
+def observers_of(policy: Policy) -> list[Policy]:
+    """The policies whose `observe` must run for `policy`: itself if it needs attention (a wrapper: its stages'),
+    and its storage's."""
+    own = [leaf for stage in policy.stages for leaf in observers_of(stage)] if isinstance(policy, Wrapper) \
+        else [policy] if policy.needs_attention else []
+    return own + ([] if policy._storage is None else observers_of(policy._storage))
+
+
+def state_keys_of(policy: Policy) -> list[str]:
+    """Every per-slot statistic `policy` reads: its own (a wrapper: its stages'), and its storage's."""
+    own = [key for stage in policy.stages for key in state_keys_of(stage)] if isinstance(policy, Wrapper) \
+        else [policy.state_key]
+    return own + ([] if policy._storage is None else state_keys_of(policy._storage))
 
 
 def _forwarding(name: str, scope: HookScope) -> Callable:

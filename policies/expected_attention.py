@@ -7,9 +7,9 @@ import numpy as np
 import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
-from kvbench.calibrate import calibrate_command, default_folder, load_query_statistics, read_artifact
+from kvbench.calibration.calibrate import calibrate_command, default_folder, load_query_statistics, read_artifact
 from kvbench.engine.attention import queries_per_chunk
-from kvbench.engine.rows import rows_of
+from kvbench.engine.row_accounts import rows_of
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import Demand, Policy, Schedule, protect, register, shares
 

@@ -7,7 +7,7 @@ import torch
 from kvbench.engine.attention import received_by
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import Policy, protect, recent_mask, register
-from kvbench.reference import Reference, h2o_reference
+from kvbench.policies.reference import Reference, h2o_reference
 
 
 @register

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.policies.base import PromptScorer, register, shares
-from kvbench.reference import Reference, knorm_kept
+from kvbench.policies.reference import Reference, knorm_kept
 
 
 @register

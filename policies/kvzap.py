@@ -7,15 +7,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvbench import kvzap
-from kvbench.calibrate import calibrate_command, default_folder, read_artifact
+from kvbench.calibration import kvzap
+from kvbench.calibration.calibrate import calibrate_command, default_folder, read_artifact
 from kvbench.engine.attention import record_attention_inputs
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import PromptScorer, protect, recent_mask, register
-from kvbench.reference import Reference, kvzap_kept
+from kvbench.policies.reference import Reference, kvzap_kept
 
 if TYPE_CHECKING:
-    from kvbench.kvzap import Surrogate
+    from kvbench.calibration.kvzap import Surrogate
 
 MODEL_TYPES = ("linear", "mlp")
 

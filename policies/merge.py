@@ -6,12 +6,12 @@ from typing import Literal
 import torch
 
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import BatchLimit, Demand, Policy, protect, recent_mask, register
+from kvbench.policies.base import BatchLimit, Demand, Merging, protect, recent_mask, register
 
 
 @register
 @dataclass
-class Merge(Policy):
+class Merge(Merging):
     """Merging instead of dropping: apart from the first `sinks` and the `recent` newest entries, the
     entries that stand for the fewest tokens (the oldest among equals) are averaged into a kept one,
     weighted by the tokens each stands for: the next newer kept entry (`pool`, hierarchical pooling of

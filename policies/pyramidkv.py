@@ -3,13 +3,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbench.errors import KvbenchError
-from kvbench.policies.base import Demand, positive, register
+from kvbench.policies.base import Demand, LayerSpread, positive, register
 from kvbench.policies.snapkv import SnapKV
 
 
 @register
 @dataclass
-class PyramidKV(SnapKV):
+class PyramidKV(SnapKV, LayerSpread):
     """PyramidKV (Cai et al. 2024): SnapKV scoring with per-layer budgets falling linearly with depth."""
 
     name = "pyramidkv"

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import torch
 
-from kvbench.calibrate import calibrate_command, default_folder, load_qfilters, read_artifact
+from kvbench.calibration.calibrate import calibrate_command, default_folder, load_qfilters, read_artifact
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import PromptScorer, register
-from kvbench.reference import Reference, qfilter_kept
+from kvbench.policies.reference import Reference, qfilter_kept
 
 
 @register

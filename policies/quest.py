@@ -4,14 +4,14 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench.engine.paging import Pages
 from kvbench.errors import KvbenchError
-from kvbench.pages import Pages
-from kvbench.policies.base import Demand, Policy, Schedule, positive, register
+from kvbench.policies.base import Demand, Sparse, positive, register
 
 
 @register
 @dataclass
-class Quest(Policy):
+class Quest(Sparse):
     """Quest (Tang et al. 2024): query-aware sparse reading of a cache that keeps every entry.
 
     Keys are grouped in pages of `page_size` tokens by position; each page is summarised by its keys' per-channel
@@ -25,8 +25,6 @@ class Quest(Policy):
 
     name = "quest"
     colour = "#CC3311"  # Paul Tol's vibrant red: the sparse family, beyond the two palettes
-    schedule = Schedule.READ  # it evicts nothing
-    family = "sparse"
     page_size: int = 16
     dense_layers: int = 2
 

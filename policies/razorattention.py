@@ -8,11 +8,11 @@ from typing import Any, ClassVar
 import torch
 
 from kvbench.engine.attention import attention_probs
+from kvbench.engine.models import per_model
+from kvbench.engine.session import Session
+from kvbench.engine.settings import RunSettings
 from kvbench.errors import KvbenchError
-from kvbench.models import per_model
 from kvbench.policies.base import Policy, RetrievalHeads, Schedule, register
-from kvbench.session import Session
-from kvbench.settings import RunSettings
 
 CALIBRATION_SEED = 0
 

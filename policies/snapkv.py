@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from kvbench.engine.attention import attention_probs
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import Demand, Policy, Schedule, positive, register
-from kvbench.reference import Reference, snapkv_kept
+from kvbench.policies.reference import Reference, snapkv_kept
 
 
 @register

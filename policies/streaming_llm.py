@@ -6,7 +6,7 @@ import torch
 
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import Demand, Policy, protect, register
-from kvbench.reference import Reference, streaming_llm_reference
+from kvbench.policies.reference import Reference, streaming_llm_reference
 
 
 @register

@@ -6,7 +6,7 @@ import torch
 
 from kvbench.engine.attention import query_weights
 from kvbench.policies.base import Policy, register
-from kvbench.reference import Reference, tova_reference
+from kvbench.policies.reference import Reference, tova_reference
 
 
 @register

@@ -4,8 +4,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvbench.engine.segments import Segment
 from kvbench.policies.base import Rescorer, register
-from kvbench.segments import Segment
 
 
 @register

@@ -9,16 +9,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from transformers import PreTrainedTokenizerBase
 
+from kvbench.engine.segments import Segment
 from kvbench.errors import KvbenchError
 from kvbench.registry import Registry, declared_params
-from kvbench.segments import Segment
 
 if TYPE_CHECKING:
-    from kvbench.generation import Generation
-    from kvbench.models import LoadedModel
+    from kvbench.engine.generation import Generation
+    from kvbench.engine.models import LoadedModel
+    from kvbench.engine.settings import RunSettings
+    from kvbench.engine.sharing import SharedPrefill
     from kvbench.policies.base import Policy
-    from kvbench.settings import RunSettings
-    from kvbench.sharing import SharedPrefill
 
 # Splits the rendered chat prompt into the context part and the question part (see encode_prompt).
 _SPLIT = "\x00KVBENCH-QUESTION\x00"
@@ -88,7 +88,7 @@ class Task:
                  shared: SharedPrefill | None = None) -> list[Generation]:
         """`run` for several samples at once, left-padded into one batch (`shared`: their shared prefill, in this
         order): each one's answer as `run` gives it alone."""
-        from kvbench.generation import Prompt, generate_rows
+        from kvbench.engine.generation import Prompt, generate_rows
 
         prompts = [Prompt(*encode_prompt(lm.tokenizer, sample), settings.max_new_tokens or sample.max_new_tokens,
                           sample.stop) for sample in samples]

@@ -1,5 +1,5 @@
 """Capacity as a sweep task: per cell (policy x budget x context length), the largest batch that fits the
-memory limit at that context, or the longest context at a batch; see kvbench/capacity.py."""
+memory limit at that context, or the longest context at a batch; see tasks/capacity_search.py."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class Capacity(Task):
         if self.search not in ("batch", "context"):
             raise KvbenchError(f"task 'capacity' parameter 'search' must be batch or context, got '{self.search}'")
         if self.memory_limit is not None:
-            from kvbench.estimate import parse_bytes
+            from kvbench.engine.estimate import parse_bytes
 
             parse_bytes(self.memory_limit)
 
@@ -45,9 +45,9 @@ class Capacity(Task):
         return 12 * context_length, 6 * self.decode_steps  # ~6 probes, batches growing then bisected
 
     def run(self, lm, policy, sample, settings, shared=None):
-        from kvbench.capacity import capacity
-        from kvbench.estimate import parse_bytes
-        from kvbench.generation import Generation
+        from kvbench.engine.estimate import parse_bytes
+        from kvbench.engine.generation import Generation
+        from kvbench.tasks.capacity_search import capacity
 
         found = capacity(lm, policy, settings, self.search, context=sample.meta["context"], batch=self.batch,
                          decode_steps=self.decode_steps, bound=self.max, corpus=self.corpus,

@@ -105,8 +105,8 @@ class Dialogue(Task):
         return context_length, passages * self.reply_tokens + self.facts * (self.reply_tokens + self.answer_tokens)
 
     def run(self, lm, policy, sample, settings, shared=None):
-        from kvbench.generation import Generation
-        from kvbench.session import Session
+        from kvbench.engine.generation import Generation
+        from kvbench.engine.session import Session
 
         template = turn_template(lm.tokenizer)
         turn_ids = [lm.tokenizer(template.user(turn["text"], first=i == 0), add_special_tokens=False).input_ids

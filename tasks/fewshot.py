@@ -1,5 +1,5 @@
 """Few-shot examples as units ("Semantic Integrity Matters", KVFundaBench, ICML 2026): worked examples of a small task
-fill the context, then a new instance. Exact match; each example is a segment of the prompt (kvbench/segments.py), so
+fill the context, then a new instance. Exact match; each example is a segment of the prompt (engine/segments.py), so
 the record says per sample which examples eviction split (kept some of their entries but not all, in some layer and
 KV head) and the share it split (`segments_split`). `whole_segments` keeps or drops them whole.
 
@@ -85,7 +85,7 @@ class FewShot(Task):
         return context_length, max_new_tokens or self.answer_tokens
 
     def run(self, lm, policy, sample, settings, shared=None):
-        from kvbench.generation import generate
+        from kvbench.engine.generation import generate
 
         examples = [(f"example {i + 1}", text) for i, text in enumerate(sample.context.split(_BETWEEN))]
         return generate(lm, policy, *encode_prompt(lm.tokenizer, sample), settings,

@@ -7,7 +7,7 @@ A leakage probe asks, from a second request over the same system prompt and cont
 the record's `leak` is the share of the system prompt's word pairs the reply repeats. It stays out of the score (lower
 is better), so a policy that keeps the system prompt is not rewarded for giving it away.
 
-Each rule's tokens are a segment of the prompt (kvbench/segments.py): the record says what the cache kept of each,
+Each rule's tokens are a segment of the prompt (engine/segments.py): the record says what the cache kept of each,
 and `whole_segments` keeps or drops them whole.
 """
 
@@ -159,7 +159,7 @@ class Instructions(Task):
         return 2 * context_length, answer + _PROBE_TOKENS_PER_RULE * (self.instructions + 1)
 
     def run(self, lm, policy, sample, settings, shared=None):
-        from kvbench.generation import generate
+        from kvbench.engine.generation import generate
 
         limit = settings.max_new_tokens or sample.max_new_tokens
         rules = [(f"rule {i}", f"{i}. {Rule(**rule).text}") for i, rule in enumerate(sample.meta["rules"], 1)]

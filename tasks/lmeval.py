@@ -1,5 +1,5 @@
 """lm-evaluation-harness tasks as sweep cells: each doc of each named lm-eval task is a sample, run by the `kvbench`
-lm-eval model (kvbench/lmeval.py) under the cell's policy and budget; lm-eval builds the requests and scores them.
+lm-eval model (tasks/lmeval_model.py) under the cell's policy and budget; lm-eval builds the requests and scores them.
 
 The cell's context length is lm-eval's length knob where a task has one (a task that generates its data, as
 RULER's do, gets it as `max_seq_lengths` metadata, with the model's tokenizer); a task with fixed data has none:
@@ -68,7 +68,7 @@ class LmEval(Task):
                                f"one context length (the longest prompt a cell may feed), got {context_lengths}")
 
     def run(self, lm, policy, sample, settings, shared=None):
-        from kvbench.generation import Generation
+        from kvbench.engine.generation import Generation
 
         if settings.question == "agnostic" and self.split_at is None:
             raise KvbenchError("task 'lm_eval' with question: agnostic needs `split_at`: lm-eval requests carry no "
@@ -113,13 +113,13 @@ def has_length_knob(task: Any) -> bool:
 
 
 def bridge() -> ModuleType:
-    """kvbench/lmeval.py, which imports lm-evaluation-harness."""
+    """tasks/lmeval_model.py, which imports lm-evaluation-harness."""
     try:
-        import kvbench.lmeval
+        import kvbench.tasks.lmeval_model
     except ImportError:
         raise KvbenchError("task 'lm_eval' needs lm-evaluation-harness: pip install -e '.[lmeval]' in the kvbench "
                            "checkout") from None
-    return kvbench.lmeval
+    return kvbench.tasks.lmeval_model
 
 
 @functools.lru_cache(maxsize=8)

@@ -56,8 +56,8 @@ class LongGen(Task):
     def run(self, lm, policy, sample, settings, shared=None):
         import dataclasses
 
-        from kvbench.generation import generate
-        from kvbench.session import Session
+        from kvbench.engine.generation import generate
+        from kvbench.engine.session import Session
 
         prompt, reference = sample.token_ids, sample.meta["continuation"]
         scorer = Session(lm, dataclasses.replace(policy), settings, prompt_tokens=len(prompt),

@@ -109,8 +109,8 @@ class MultiQuery(Task):
         return context_length, queries * (max_new_tokens or self.answer_tokens)
 
     def run(self, lm, policy, sample, settings, shared=None):
-        from kvbench.generation import Generation
-        from kvbench.session import Session
+        from kvbench.engine.generation import Generation
+        from kvbench.engine.session import Session
 
         facts, order = sample.meta["facts"], sample.meta["order"]
         context_ids, first = encode_prompt(lm.tokenizer, sample)

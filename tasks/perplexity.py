@@ -66,8 +66,8 @@ class Perplexity(Task):
         return (0, context_length) if self.mode == "exact" else (context_length, 0)
 
     def run(self, lm, policy, sample, settings, shared=None):
-        from kvbench.generation import Generation
-        from kvbench.session import Session
+        from kvbench.engine.generation import Generation
+        from kvbench.engine.session import Session
 
         ids = sample.token_ids
         step = 1 if self.mode == "exact" else self.chunk

@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 import torch
 
-from kvbench.models import load_model
+from kvbench.engine.models import load_model
 
 
 def sharpen(lm, factor: float = 12.0):

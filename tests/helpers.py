@@ -6,10 +6,11 @@ from typing import Any
 import pytest
 import torch
 
-from kvbench.check import kept_masks
+from kvbench.checks.suite import kept_masks
+from kvbench.checks.tolerance import forward_roundings, magnitude, relative_tolerance
+from kvbench.engine.session import Session
+from kvbench.engine.settings import RunSettings
 from kvbench.policies import build_policy
-from kvbench.session import RunSettings, Session
-from kvbench.tolerance import forward_roundings, magnitude, relative_tolerance
 
 # what a policy needs on the tests' random models and has no default for: duoattention's head pattern (random:tiny-llama
 # and tiny-qwen2: 2 layers x 2 KV heads) and sinks that fit the tests' budgets; the calibrated policies' artifacts for
@@ -63,7 +64,7 @@ def assert_rejected_in_one_line(config, culprit: str, run) -> None:
     assert not run.exists()
 
 
-# --- tolerances: from the dtype, the roundings and the values' magnitude (kvbench/tolerance.py) ----------------------
+# --- tolerances: from the dtype, the roundings and the values' magnitude (kvbench/checks/tolerance.py) ---------------
 
 def tolerance(expected, *, roundings: float, dtype: torch.dtype = torch.float32, floor: float = 1.0) -> float:
     """The absolute tolerance for a result of `roundings` roundings in `dtype` whose magnitude is `expected`'s

@@ -9,12 +9,14 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from kvbench import models
+from kvbench.engine import models
+from kvbench.engine.generation import generate
+from kvbench.engine.models import load_model
+from kvbench.engine.session import Session
+from kvbench.engine.settings import RunSettings
 from kvbench.errors import KvbenchError
-from kvbench.models import load_model
 from kvbench.policies import build_policy
-from kvbench.reference import h2o_reference, snapkv_reference
-from kvbench.session import RunSettings, Session, generate
+from kvbench.policies.reference import h2o_reference, snapkv_reference
 from tests.conftest import random_ids
 from tests.helpers import assert_model_close, run_cache
 

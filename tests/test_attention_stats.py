@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench import attention
-from kvbench.tolerance import sum_roundings
+from kvbench.checks.tolerance import sum_roundings
+from kvbench.engine import attention
 from tests.helpers import assert_close
 
 HEADS, KV_HEADS, QUERIES, SLOTS, DIM, SCALING = 6, 2, 10, 25, 8, 0.3

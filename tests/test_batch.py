@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvbench.engine.generation import generate, generate_batch
+from kvbench.engine.settings import RunSettings
 from kvbench.policies import build_policy
-from kvbench.session import RunSettings, generate, generate_batch
 from tests.conftest import random_ids
 from tests.helpers import assert_model_close
 
@@ -30,7 +31,7 @@ def test_each_row_decodes_as_it_would_alone(sharp_llama, policy, budget):
 
 def test_padding_is_masked_in_the_prompt_forward(sharp_llama):
     """A padded row's last logits equal the unpadded prompt's (padding changes nothing it can see)."""
-    from kvbench.session import Session
+    from kvbench.engine.session import Session
 
     short, long = random_ids(20, seed=1), random_ids(33, seed=2)
     batched = Session(sharp_llama, build_policy("full"), RunSettings(), 33, left_padding=torch.tensor([13, 0]))
@@ -58,7 +59,7 @@ def test_think_rows_of_one_length_each_keep_their_own_channels(sharp_llama):
 def test_quest_rows_read_as_they_would_alone(sharp_llama):
     """Quest pages each row from its own first token: a left-padded row reads the pages it reads alone, and its
     record counts its own bytes read."""
-    from kvbench.session import Prompt, generate_rows
+    from kvbench.engine.generation import Prompt, generate_rows
 
     quest = build_policy("quest", {"page_size": 8, "dense_layers": 0})
     prompts = [random_ids(n, seed=n) for n in LENGTHS]

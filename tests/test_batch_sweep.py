@@ -20,13 +20,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvbench.cells import expand
 from kvbench.cli import app
-from kvbench.config import load_config
+from kvbench.config.cells import expand
+from kvbench.config.schema import load_config
+from kvbench.engine.generation import Prompt, generate, generate_rows
+from kvbench.engine.session import Session
+from kvbench.engine.settings import RunSettings
 from kvbench.errors import KvbenchError
 from kvbench.policies import POLICIES, build_policy
-from kvbench.results import RunFolder
-from kvbench.session import Prompt, RunSettings, Session, generate, generate_rows
+from kvbench.runs.run_folder import RunFolder
 from tests.conftest import random_ids
 from tests.helpers import NEEDED_PARAMS, assert_model_close
 from tests.test_sweep import ROOT, records_by_key, sweep, sweep_until, write_config
@@ -222,7 +224,7 @@ def test_each_row_stops_at_its_own_end_of_sequence(sharp_llama, name, params):
 
 @pytest.mark.parametrize("name", ["full", "window", "h2o", "snapkv", "ada_kv", "knorm"])
 def test_one_rows_accounts_are_its_caches_own(tiny_llama, name):
-    """The per-row accounts (kvbench/engine/rows.py) of a one-row batch say what the cache's own buffers say: the two
+    """The per-row accounts (engine/row_accounts.py) of a one-row batch say what the cache's own buffers say: the two
     bookkeepings follow one allocation rule."""
     params = {"window": 8} if name == "snapkv" else {"base": SNAP} if name == "ada_kv" else {}
     for settings in (RunSettings(budget=20), RunSettings(budget=20, evict_every=4)):
@@ -237,7 +239,7 @@ def test_one_rows_accounts_are_its_caches_own(tiny_llama, name):
 
 
 def test_rows_of_one_batch_share_a_budget():
-    from kvbench.models import load_model
+    from kvbench.engine.models import load_model
 
     lm = load_model("random:tiny-llama", dtype="float32", device="cpu")
     with pytest.raises(ValueError, match="share one budget"):
@@ -283,8 +285,8 @@ def test_the_gate_passes_a_batched_run_but_will_not_compare_its_speed(tmp_path, 
 
 
 def test_the_recommendation_compares_speed_with_full_at_one_batch_size(tmp_path, ragged):
-    from kvbench.report import recommend
-    from kvbench.summary import summarize
+    from kvbench.analysis.report import recommend
+    from kvbench.analysis.summary import summarize
 
     # a ratio budget resolves differently over these samples' lengths: their rows would run apart
     config = write_config(tmp_path, {**ragged_config(ragged), "policies": ["full", "window", "h2o"],
@@ -353,7 +355,7 @@ def test_merging_into_a_folder_a_sweep_writes_is_refused(tmp_path):
         shard.open({"config_hash": "h", "started": "t", "cells": []}, force=False)
         shard.release()
         code = textwrap.dedent(f"""
-            from kvbench.results import merge_runs
+            from kvbench.runs.run_folder import merge_runs
             merge_runs({str(tmp_path / 'merged')!r}, [{str(tmp_path / 'shard')!r}])
         """)
         other = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

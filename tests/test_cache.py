@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvbench.attention as attention
-from kvbench.cache import CacheSettings, KVCache
+import kvbench.engine.attention as attention
+from kvbench.checks.tolerance import sum_roundings
+from kvbench.engine.cache import CacheSettings, KVCache
+from kvbench.engine.generation import generate
+from kvbench.engine.settings import RunSettings
 from kvbench.policies import build_policy
-from kvbench.session import RunSettings, generate
-from kvbench.tolerance import sum_roundings
 from tests.conftest import random_ids
 from tests.helpers import assert_close, run_cache
 

@@ -13,11 +13,12 @@ import torch
 from tokenizers import processors
 from typer.testing import CliRunner
 
-from kvbench import artifacts, calibrate
-from kvbench.calibrate import Settings, corpus_documents, window_start
+from kvbench.calibration import artifacts, calibrate
+from kvbench.calibration.calibrate import corpus_documents, window_start
+from kvbench.calibration.methods import METHODS, Settings
 from kvbench.cli import app
+from kvbench.engine.models import _PER_MODEL, byte_tokenizer, load_model
 from kvbench.errors import KvbenchError
-from kvbench.models import _PER_MODEL, byte_tokenizer, load_model
 
 SETTINGS = Settings(documents=2, tokens=40, samples=40)
 TEMPLATE = ("{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -51,7 +52,7 @@ def bos_llama():
     return dataclasses.replace(lm, tokenizer=starting_with_bos())
 
 
-@pytest.mark.parametrize("method", calibrate.METHODS)
+@pytest.mark.parametrize("method", METHODS)
 def test_on_a_tokenizer_that_adds_bos_every_window_starts_with_it(bos_llama, method):
     documents = corpus_documents(bos_llama, "embedded", SETTINGS, method)
     assert len(documents) == 2 and all(len(ids) == SETTINGS.tokens for ids in documents)
@@ -77,7 +78,7 @@ def test_the_provenance_says_how_the_windows_start(bos_llama, cache, tmp_path):
 
 
 def test_a_kvzap_calibration_skips_the_chat_turns_opening(cache, tmp_path, monkeypatch):
-    from kvbench import kvzap
+    from kvbench.calibration import kvzap
 
     lm = dataclasses.replace(load_model("random:tiny-llama", dtype="float32", device="cpu", seed=22),
                              tokenizer=chatting())
@@ -93,7 +94,7 @@ def test_kvzap_fits_and_scores_only_the_positions_after_what_it_skips(sharp_llam
     """The opening runs through the model (its targets cover the whole window) but is neither trained on nor
     scored, as kvpress's collector samples only the text's positions: the same ridge and held-out R^2 as from the
     text's positions alone."""
-    from kvbench import kvzap
+    from kvbench.calibration import kvzap
 
     settings, skip = Settings(documents=3, tokens=48, samples=48, held_out=1), 8
     documents = corpus_documents(sharp_llama, "embedded", settings, "kvzap-linear")

@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from kvbench.capacity import capacity, largest_fitting
+from kvbench.engine.settings import RunSettings
 from kvbench.errors import KvbenchError
 from kvbench.policies import build_policy
-from kvbench.session import RunSettings
+from kvbench.tasks.capacity_search import capacity, largest_fitting
 
 
 @pytest.mark.parametrize("threshold", [1, 2, 3, 37, 64, 65, 1000])

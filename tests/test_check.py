@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 import kvbench.policies.snapkv
-from kvbench import check
+from kvbench.checks import suite as check
 from kvbench.cli import app
-from kvbench.models import load_model
+from kvbench.engine.models import load_model
 
 pytestmark = pytest.mark.usefixtures("fresh_inductor")  # kvbench check compiles a decode step
 
@@ -140,7 +140,7 @@ def test_a_policy_with_a_reference_is_checkable_without_editing_check(tiny_llama
         name = "sinks_plugin"
 
         def reference(self, lm, prompt, decode, budget):
-            from kvbench.reference import streaming_llm_reference
+            from kvbench.policies.reference import streaming_llm_reference
 
             return streaming_llm_reference(lm, prompt, decode, budget, self.sinks)
 

@@ -124,7 +124,7 @@ def test_plugin_policy_from_a_folder(tmp_path):
 
 
 def test_local_model_folder_loads_and_runs(tmp_path):
-    from kvbench.models import load_model
+    from kvbench.engine.models import load_model
 
     source = load_model("random:tiny-qwen2", dtype="float32", device="cpu")
     source.model.save_pretrained(tmp_path)

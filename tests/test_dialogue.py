@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from kvbench.engine.models import byte_tokenizer
+from kvbench.engine.settings import RunSettings
 from kvbench.errors import KvbenchError
-from kvbench.models import byte_tokenizer
 from kvbench.policies import build_policy
-from kvbench.runner import evaluate
-from kvbench.session import RunSettings
+from kvbench.runs.runner import evaluate
 from kvbench.tasks import build_task
 from kvbench.tasks.dialogue import _matches
 

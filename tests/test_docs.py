@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvbench.cells import expand
-from kvbench.config import load_config
+from kvbench.config.cells import expand
+from kvbench.config.schema import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -364,13 +364,13 @@ def test_the_tasks_page_covers_every_task_kvbench_tasks_lists():
 
 
 def test_the_gate_page_s_detectable_drops_are_the_gate_s():
-    from kvbench.gate import detectable_drop
+    from kvbench.analysis.gate import detectable_drop
 
     claims = re.findall(r"n = (\d+): ~?([\d.]+) points", flat(prose(ROOT / "docs" / "gate.md")))
     assert claims, "gate.md no longer sizes a gate (`n = 8: 50 points`)"
     wrong = [(n, points, detectable_drop(int(n), 1.0)) for n, points in claims
              if float(points) != detectable_drop(int(n), 1.0)]
-    assert not wrong, f"gate.md: (n, stated, kvbench.gate.detectable_drop(n, 1.0)): {wrong}"
+    assert not wrong, f"gate.md: (n, stated, kvbench.analysis.gate.detectable_drop(n, 1.0)): {wrong}"
 
 
 def test_the_readme_s_test_command_is_what_ci_runs():

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from kvbench.engine.settings import RunSettings
 from kvbench.policies import build_policy
-from kvbench.runner import evaluate
-from kvbench.session import RunSettings
+from kvbench.runs.runner import evaluate
 from kvbench.tasks import build_task
 from tests.conftest import needs_embedded
 

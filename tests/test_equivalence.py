@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvbench.engine.generation import generate
+from kvbench.engine.settings import RunSettings
 from kvbench.policies import POLICIES, Policy, build_policy
-from kvbench.session import RunSettings, generate
 from tests.conftest import random_ids
 from tests.helpers import assert_model_close, tiny_policy
 

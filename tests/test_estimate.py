@@ -8,8 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.cli import app
+from kvbench.engine.estimate import SHAPES, SPEEDS, estimate, estimate_seconds, model_shape, parse_bytes
 from kvbench.errors import KvbenchError
-from kvbench.estimate import SHAPES, SPEEDS, estimate, estimate_seconds, model_shape, parse_bytes
 
 runner = CliRunner()
 
@@ -60,9 +60,9 @@ def test_a_sweeps_time_estimate_is_prompt_flops_plus_decode_steps_bound_by_their
     steps, each reading the bfloat16 weights and the row's cache (an 8B model on a GPU is bound by its reads)."""
     import yaml
 
-    from kvbench.cells import expand
-    from kvbench.config import load_config
-    from kvbench.work import cell_work
+    from kvbench.config.cells import expand
+    from kvbench.config.schema import load_config
+    from kvbench.runs.work import cell_work
 
     config = tmp_path / "sweep.yaml"
     config.write_text(yaml.safe_dump({"name": "e", "model": "random:llama-3-8b", "policies": ["full"],
@@ -88,7 +88,7 @@ def offline(monkeypatch):
 
 
 def test_a_hub_id_naming_a_built_in_shape_is_estimated_offline(offline):
-    from kvbench.estimate import offline_shape
+    from kvbench.engine.estimate import offline_shape
 
     assert model_shape("meta-llama/Llama-3.1-8B-Instruct") == SHAPES["llama-3.1-8b"]
     assert offline_shape("meta-llama/Llama-3.1-8B-Instruct") == SHAPES["llama-3.1-8b"]  # as a dry run sizes it
@@ -100,7 +100,7 @@ def test_a_hub_id_naming_a_built_in_shape_is_estimated_offline(offline):
 def test_mistral_7b_instruct_v0_3_is_its_own_shape_offline(offline):
     """v0.3's vocabulary of 32768 (v0.1 and v0.2: 32000) is its own built-in shape, resolved by the hub id's version;
     another version of the same base falls back to the base's shape."""
-    from kvbench.estimate import offline_shape
+    from kvbench.engine.estimate import offline_shape
 
     assert model_shape("mistralai/Mistral-7B-Instruct-v0.3") == SHAPES["mistral-7b-v0.3"]
     assert offline_shape("mistralai/Mistral-7B-Instruct-v0.3").parameters == 7_248_023_552

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvbench.calibrate import (
+from kvbench.calibration.calibrate import (
     STATS_SINKS,
     Settings,
     calibrate,
@@ -21,7 +21,7 @@ from kvbench.calibrate import (
 )
 from kvbench.errors import KvbenchError
 from kvbench.policies import build_policy
-from kvbench.reference import stock_forward
+from kvbench.policies.reference import stock_forward
 from tests.conftest import random_ids
 from tests.helpers import run_session
 from tests.test_kvpress_policies import QueryTap

@@ -9,13 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvbench.attention import LayerKind
+from kvbench.engine.attention import LayerKind
+from kvbench.engine.segments import Segment, segment_measurements
+from kvbench.engine.settings import RunSettings
 from kvbench.errors import KvbenchError
 from kvbench.policies import build_policy
 from kvbench.policies.base import build_spec
-from kvbench.runner import evaluate
-from kvbench.segments import Segment, segment_measurements
-from kvbench.session import RunSettings
+from kvbench.runs.runner import evaluate
 from kvbench.tasks import build_task
 from kvbench.tasks.base import encode_prompt
 from tests.conftest import needs_embedded

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvbench.checks.tolerance import sum_roundings
+from kvbench.engine.generation import generate
+from kvbench.engine.settings import RunSettings
 from kvbench.policies import build_policy
-from kvbench.session import RunSettings, generate
-from kvbench.tolerance import sum_roundings
 from tests.conftest import random_ids
 from tests.helpers import assert_close, assert_model_close
 
@@ -70,7 +71,7 @@ def test_attention_recall_of_a_window_is_the_full_attention_on_its_last_entries(
 def test_kl_and_agreement_are_the_definitions(sharp_llama):
     """Reference: the stock model's next-token distributions on the policy's own tokens (full cache) against the
     policy's logits at each step (from a run that records them)."""
-    from kvbench.session import Session
+    from kvbench.engine.session import Session
 
     generation = run(sharp_llama, "window", 24)
     ids = PROMPT + generation.tokens[:-1]
@@ -106,9 +107,9 @@ def test_a_sweep_with_fidelity_summarizes_it(tmp_path):
     slots = config["context_lengths"][0] + config["max_new_tokens"]  # the softmax's and the recall's sums over them
     assert_close(frame[frame["policy"] == "full"].iloc[0]["attn_recall"], 1.0, roundings=sum_roundings(2 * slots))
 
-    from kvbench.plot import figures
-    from kvbench.report import failure_gallery, recommend
-    from kvbench.summary import summarize
+    from kvbench.analysis.plot import figures
+    from kvbench.analysis.report import failure_gallery, recommend
+    from kvbench.analysis.summary import summarize
 
     names = set(figures(tmp_path / "run"))
     assert {"kl_vs_ratio_niah", "recall_vs_ratio_niah", "kl_vs_position_niah", "recall_by_layer_niah"} <= names
@@ -117,14 +118,14 @@ def test_a_sweep_with_fidelity_summarizes_it(tmp_path):
     strict = recommend(summary, max_drop=100, max_kl=window["kl_mean"] / 2).iloc[0]
     assert strict["policy"] is None and "KL" in strict["note"]
     assert failure_gallery(tmp_path / "run") == []  # random weights: no sample to lose
-    from kvbench.report import html_report
+    from kvbench.analysis.report import html_report
 
     page = html_report(tmp_path / "run").read_text()
     assert "attn_recall" in page and "recall_by_layer_niah" in page and "kl_vs_position_niah" in page
 
 
 def test_the_gallery_marks_where_a_prediction_leaves_full():
-    from kvbench.report import _mark_departure
+    from kvbench.analysis.report import _mark_departure
 
     assert _mark_departure("The number is 123", "The number is 456") == "The number is ⟦123"
     assert _mark_departure("same", "same") == "same" and _mark_departure("ab", "abc") == "ab⟦"

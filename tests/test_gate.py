@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.cli import app
-from kvbench.results import RunFolder
+from kvbench.runs.run_folder import RunFolder
 
 runner = CliRunner()
 BASE_CELL = {"model": {"id": "m"}, "task": {"name": "niah", "params": {}}, "context_length": 512,
@@ -119,7 +119,7 @@ def test_a_baseline_from_another_config_is_a_clear_error(tmp_path):
 
 
 def test_a_perplexity_rise_is_a_drop():
-    from kvbench.gate import improvement
+    from kvbench.analysis.gate import improvement
 
     assert improvement(0.5, 0.4, higher_is_better=True) == pytest.approx(-10)  # points of a fraction
     assert improvement(10.0, 10.5, higher_is_better=False) == pytest.approx(-5)  # perplexity +5%
@@ -138,8 +138,8 @@ def test_gate_fails_a_perplexity_that_rises(tmp_path):
 
 
 def test_recommend_reads_perplexity_the_right_way_round(tmp_path):
-    from kvbench.report import recommend
-    from kvbench.summary import summarize
+    from kvbench.analysis.report import recommend
+    from kvbench.analysis.summary import summarize
 
     close = {"full": {"policy": "full", "scores": [10.0, 10.2] * 4, "higher_is_better": False},
              "win": {"policy": "window", "budget": 64, "scores": [10.05, 10.25] * 4, "higher_is_better": False}}
@@ -153,7 +153,7 @@ def test_recommend_reads_perplexity_the_right_way_round(tmp_path):
 def test_the_committed_baseline_matches_the_gate_config():
     import json
 
-    from kvbench.config import load_config
+    from kvbench.config.schema import load_config
 
     root = Path(__file__).resolve().parent.parent
     baseline = json.loads((root / "baselines" / "gate.json").read_text())
@@ -161,7 +161,7 @@ def test_the_committed_baseline_matches_the_gate_config():
 
 
 def test_task_specs_that_share_a_name_are_told_apart():
-    from kvbench.summary import task_key, task_labels
+    from kvbench.analysis.summary import task_key, task_labels
 
     exact = {"name": "perplexity", "params": {"mode": "exact"}}
     chunked = {"name": "perplexity", "params": {"chunk": 64, "mode": "chunked"}}
@@ -173,7 +173,7 @@ def test_task_specs_that_share_a_name_are_told_apart():
 
 
 def test_each_cell_says_the_smallest_drop_it_could_detect(tmp_path):
-    from kvbench.gate import detectable_drop
+    from kvbench.analysis.gate import detectable_drop
 
     assert detectable_drop(2, 1.0) == 100.0  # two 0/1 samples: only both falling is a supported drop
     assert detectable_drop(8, 1.0) == 50.0 and detectable_drop(1, 100.0) is None

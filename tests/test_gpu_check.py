@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.cells import expand
-from kvbench.config import load_config
-from kvbench.estimate import model_shape
-from kvbench.results import RunFolder
+from kvbench.config.cells import expand
+from kvbench.config.schema import load_config
+from kvbench.engine.estimate import model_shape
+from kvbench.runs.run_folder import RunFolder
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30

@@ -13,11 +13,11 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from kvbench.cells import expand
+from kvbench.analysis.summary import summarize
 from kvbench.cli import app
-from kvbench.config import load_config
-from kvbench.results import RunFolder
-from kvbench.summary import summarize
+from kvbench.config.cells import expand
+from kvbench.config.schema import load_config
+from kvbench.runs.run_folder import RunFolder
 from tests.helpers import assert_rejected_in_one_line
 
 runner = CliRunner()
@@ -59,9 +59,9 @@ def sweep(config: Path, output: Path, *extra: str, code: int = 0):
 def loads(monkeypatch) -> list[tuple[str, str]]:
     """Every model load of a sweep, as (spec, dtype); each load first checks that no model loaded before it is
     still alive (the sweep holds one model at a time)."""
-    import kvbench.sweep
+    import kvbench.runs.sweep
 
-    real, seen, alive = kvbench.sweep.load_model, [], []
+    real, seen, alive = kvbench.runs.sweep.load_model, [], []
 
     def load_model(spec, dtype="auto", **kwargs):
         assert all(ref() is None for ref in alive), "a model was still in memory when the next one loaded"
@@ -70,7 +70,7 @@ def loads(monkeypatch) -> list[tuple[str, str]]:
         alive.append(weakref.ref(lm.model))
         return lm
 
-    monkeypatch.setattr(kvbench.sweep, "load_model", load_model)
+    monkeypatch.setattr(kvbench.runs.sweep, "load_model", load_model)
     return seen
 
 
@@ -137,7 +137,7 @@ def test_a_two_model_two_dtype_sweep_loads_each_once_and_every_output_carries_th
     assert printed.exit_code == 0 and printed.output.count("axes, random:tiny-") == 4, printed.output
 
     pytest.importorskip("matplotlib")
-    from kvbench.plot import figures, plot_run
+    from kvbench.analysis.plot import figures, plot_run
 
     drawn = figures(run)
     for model, dtype in VARIANTS:
@@ -164,15 +164,15 @@ def test_single_model_outputs_are_unchanged(tmp_path, loads, config):
                                                                "low end)") == 1, recommend.output
     assert "random:" not in recommend.output.split("\n")[0]
     pytest.importorskip("matplotlib")
-    from kvbench.plot import figures
+    from kvbench.analysis.plot import figures
 
     assert "score_vs_ratio_niah" in figures(run)
 
 
 def test_an_interrupted_sweep_resumes_without_reloading_a_finished_model(tmp_path, loads, monkeypatch):
-    import kvbench.sweep
+    import kvbench.runs.sweep
 
-    real, calls = kvbench.sweep.evaluate, []
+    real, calls = kvbench.runs.sweep.evaluate, []
 
     def evaluate(lm, *args, **kwargs):
         calls.append(lm.spec)
@@ -180,7 +180,7 @@ def test_an_interrupted_sweep_resumes_without_reloading_a_finished_model(tmp_pat
             signal.raise_signal(signal.SIGINT)
         return real(lm, *args, **kwargs)
 
-    monkeypatch.setattr(kvbench.sweep, "evaluate", evaluate)
+    monkeypatch.setattr(kvbench.runs.sweep, "evaluate", evaluate)
     config, run = write_config(tmp_path, GRID), tmp_path / "run"
     stopped = sweep(config, run, code=130)
     assert "run the same command again to resume" in stopped.output

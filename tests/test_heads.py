@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbench import models
+from kvbench.engine import models
+from kvbench.engine.models import load_model
 from kvbench.errors import KvbenchError
-from kvbench.models import load_model
 from kvbench.policies import build_policy
 from kvbench.policies import razorattention as razor
 from tests.conftest import random_ids

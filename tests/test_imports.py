@@ -1,10 +1,13 @@
-"""kvbench's modules import one another one way: no cycle, counting the imports inside functions too (an import
-that hides in a function to dodge a cycle is still one), the engine imports nothing above it; and a wheel holds
-every package."""
+"""kvbench's modules import one another one way: down the stages (`STAGES`), and in no cycle, counting the imports
+inside functions too (an import that hides in a function to dodge a cycle or a stage is still one); kvbench/ holds
+its stages' folders; and a wheel holds every package."""
 
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,16 +105,78 @@ def test_the_cycle_check_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_the_engine_imports_nothing_above_it():
-    """kvbench/engine/ reads a policy's answers through the objects it is handed, never by importing policies,
-    tasks or what runs sessions (sweeps, the service, calibration)."""
-    below = {"kvbench.errors", "kvbench.measure", "kvbench.measurements", "kvbench.settings", "kvbench.budgets",
-             "kvbench.segments", "kvbench.policies.base", "kvbench.policies.schedule", "kvbench.policies.deprecated",
-             "kvbench.policies", "kvbench.registry", "kvbench.models"}
-    for module, targets in graph().items():
-        if module.startswith("kvbench.engine"):
-            above = {t for t in targets if not t.startswith("kvbench.engine") and t not in below}
-            assert not above, (module, sorted(above))
+# kvbench's stages in the order they may import one another: a module imports its own stage's and earlier ones'.
+# A module is in the stage its package names (the longest package that matches), except the policy contract, which
+# is below the engine that drives it while the policies themselves run on the engine.
+STAGES = {
+    "core": ["kvbench", "kvbench.errors", "kvbench.registry"],
+    "contract": ["kvbench.policies", "kvbench.policies.base", "kvbench.policies.schedule",
+                 "kvbench.policies.deprecated", "kvbench.policies.budgets", "kvbench.policies.reference",
+                 "kvbench.policies.full"],
+    "engine": ["kvbench.engine"],
+    "plugins": ["kvbench.policies.*", "kvbench.tasks", "kvbench.calibration"],
+    "serving": ["kvbench.serving"],
+    "config": ["kvbench.config"],
+    "runs": ["kvbench.runs"],
+    "checks": ["kvbench.checks"],
+    "analysis": ["kvbench.analysis"],
+    "cli": ["kvbench.cli"],
+}
+
+
+def stage_of(module: str) -> int:
+    """The place of `module`'s stage in `STAGES`: a module named itself first, then its longest package."""
+    order = list(STAGES)
+    for place, name in enumerate(order):
+        if module in STAGES[name]:
+            return place
+    packages = [(len(pattern), place) for place, name in enumerate(order) for pattern in STAGES[name]
+                if pattern != "kvbench" and module.startswith(pattern.removesuffix("*").rstrip(".") + ".")]
+    if not packages:
+        raise AssertionError(f"{module} is in no stage: add its package to STAGES")
+    return max(packages)[1]
+
+
+def later_imports(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Each (module, target) where the target's stage comes after the module's."""
+    return sorted((module, target) for module, targets in edges.items() for target in targets
+                  if stage_of(target) > stage_of(module))
+
+
+def test_no_module_imports_a_later_stage():
+    assert later_imports(graph()) == []
+
+
+def test_the_stage_check_finds_an_import_of_a_later_stage():
+    edges = {"kvbench.engine.cache": {"kvbench.policies.base", "kvbench.runs.sweep"},
+             "kvbench.policies.h2o": {"kvbench.engine.attention"}, "kvbench.policies.base": {"kvbench.policies.h2o"}}
+    assert later_imports(edges) == [("kvbench.engine.cache", "kvbench.runs.sweep"),
+                                    ("kvbench.policies.base", "kvbench.policies.h2o")]
+
+
+def test_the_top_of_kvbench_is_its_stages():
+    """kvbench/ holds the core's modules and a folder per stage, nothing else: a new module goes in its stage."""
+    entries = {path.name for path in (ROOT / "kvbench").iterdir() if path.name != "__pycache__"}
+    folders = {pattern.split(".")[1] for patterns in STAGES.values() for pattern in patterns
+               if pattern.count(".") == 1 and (ROOT / "kvbench" / pattern.split(".")[1]).is_dir()}
+    core = {f"{module.split('.')[1]}.py" for module in STAGES["core"] if "." in module}
+    assert entries == folders | core | {"__init__.py"}
+    assert len(entries) <= 12
+
+
+CONTRACT = {"base", "schedule", "deprecated", "budgets"}
+RUN_FULL = ("from typer.testing import CliRunner; from kvbench.cli import app; assert CliRunner().invoke(app, ['run', "
+            "'-m', 'random:tiny-llama', '-p', 'full', '-t', 'niah', '--samples', '1', '-c', '300', "
+            "'--max-new-tokens', '2']).exit_code == 0")
+
+
+@pytest.mark.parametrize("command, policies", [("import kvbench.cli", set()), (RUN_FULL, {"full"})])
+def test_the_cli_imports_no_policy_but_the_one_named(command, policies):
+    """`import kvbench.cli` (what `kvbench --help` runs) loads the policy contract and no policy; `kvbench run -p
+    full` adds `full` alone."""
+    code = f"import sys; {command}; print(sorted(m for m in sys.modules if m.startswith('kvbench.policies.')))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert {module.rsplit(".", 1)[1] for module in eval(loaded.splitlines()[-1])} - CONTRACT == policies
 
 
 def test_every_package_is_installed():
@@ -121,3 +186,36 @@ def test_every_package_is_installed():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {name for name, path in modules().items() if path.name == "__init__.py"}
     assert found == listed
+
+
+def test_a_former_module_path_is_the_moved_module_with_a_warning():
+    """Every path in `kvbench.MOVED` imports, in a fresh interpreter, as the very module it moved to, and says where
+    that is; a former module that gathered names (`kvbench.session`) holds the same objects. No path in the table is
+    a file again, and every new one is."""
+    import kvbench
+
+    known = modules()
+    assert not set(kvbench.MOVED) & set(known) and not set(kvbench.GATHERED) & set(known)
+    assert set(kvbench.MOVED.values()) <= set(known)
+    code = """
+import importlib, json, sys, warnings
+import kvbench
+out = {}
+for old, new in {**kvbench.MOVED, **{name: None for name in kvbench.GATHERED}}.items():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(old)
+    said = [str(w.message) for w in caught if w.category is DeprecationWarning]
+    if new is None:
+        same = all(getattr(module, name) is getattr(importlib.import_module(home), name)
+                   for name, home in kvbench.GATHERED[old].items())
+    else:
+        same = module is importlib.import_module(new) and module.__spec__.name == new
+    out[old] = [same, said]
+print(json.dumps(out))
+"""
+    found = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                      check=True).stdout)
+    for old, (same, said) in found.items():
+        assert same, old
+        assert len(said) == 1 and said[0].startswith(f"{old} moved: import from kvbench."), (old, said)

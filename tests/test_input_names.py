@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.cli import app
-from kvbench.config import load_config
+from kvbench.config.schema import load_config
 from kvbench.errors import KvbenchError
 
 runner = CliRunner()
@@ -60,7 +60,7 @@ def test_short_dtype_names_in_a_config(tmp_path):
 
 @pytest.mark.parametrize("command", [["run"], ["check"], ["capacity", "--context", "64", "--memory-limit", "1GiB"]])
 def test_short_dtype_names_on_the_command_line(command, monkeypatch):
-    import kvbench.models
+    import kvbench.engine.models
 
     asked = []
 
@@ -68,7 +68,7 @@ def test_short_dtype_names_on_the_command_line(command, monkeypatch):
         asked.append(dtype)
         raise KvbenchError("stop here")
 
-    monkeypatch.setattr(kvbench.models, "load_model", load_model)
+    monkeypatch.setattr(kvbench.engine.models, "load_model", load_model)
     for short, full in (("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32")):
         result = runner.invoke(app, [*command, "-m", "random:tiny-llama", "--dtype", short])
         assert result.exit_code == 2 and "stop here" in result.output, result.output

@@ -8,15 +8,15 @@ import random
 
 import pytest
 
+from kvbench.analysis.recommend import recommend
+from kvbench.analysis.report import html_report
+from kvbench.analysis.summary import summarize
+from kvbench.engine.generation import Generation
+from kvbench.engine.settings import RunSettings
 from kvbench.errors import KvbenchError
-from kvbench.generation import Generation
 from kvbench.policies.base import build_spec
-from kvbench.recommend import recommend
-from kvbench.report import html_report
-from kvbench.results import RunFolder
-from kvbench.runner import evaluate
-from kvbench.session import RunSettings
-from kvbench.summary import summarize
+from kvbench.runs.run_folder import RunFolder
+from kvbench.runs.runner import evaluate
 from kvbench.tasks import build_task
 from kvbench.tasks.base import encode_prompt, prompt_segments
 from kvbench.tasks.instructions import KINDS, PREAMBLE, PROBE, Rule, leaked
@@ -156,16 +156,16 @@ def test_on_a_subword_tokenizer_a_rules_segment_is_the_fewest_tokens_that_hold_i
 def test_the_leak_probe_runs_under_the_segments_of_its_own_prompt(tiny_llama, monkeypatch):
     """The answer and the probe each get their prompt's rules as segments (whole_segments keeps them whole in both),
     each segment exactly its rule's tokens in the probe's prompt."""
-    import kvbench.generation
+    import kvbench.engine.generation
 
     calls = []
-    real = kvbench.generation.generate
+    real = kvbench.engine.generation.generate
 
     def spy(lm, policy, context, question, *args, segments=(), **kwargs):
         calls.append((context, question, segments))
         return real(lm, policy, context, question, *args, segments=segments, **kwargs)
 
-    monkeypatch.setattr(kvbench.generation, "generate", spy)
+    monkeypatch.setattr(kvbench.engine.generation, "generate", spy)
     task = build_task("instructions", {"answer_tokens": 2})
     sample = task.samples(tiny_llama.tokenizer, 500, 1, 0)[0]
     evaluate(tiny_llama, task, build_spec("whole_segments"), sample, RunSettings(budget=0.5), 500, 0)

@@ -10,10 +10,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from kvbench.engine.session import Session
+from kvbench.engine.settings import RunSettings
 from kvbench.errors import KvbenchError
 from kvbench.policies import build_policy
-from kvbench.reference import simulate, snapkv_reference, stock_forward
-from kvbench.session import RunSettings, Session
+from kvbench.policies.reference import simulate, snapkv_reference, stock_forward
 from tests.conftest import random_ids
 from tests.helpers import run_cache, run_session
 
@@ -123,7 +124,7 @@ def test_expected_attention_keeps_what_future_queries_are_expected_to_attend(sha
 
 
 def test_expected_attention_carries_its_statistics_through_a_shared_prefill_and_a_fork(sharp_llama):
-    from kvbench.session import shared_prefill
+    from kvbench.engine.sharing import shared_prefill
 
     policy = build_policy("expected_attention", {"decode": True, "query_buffer": 8})
     settings = RunSettings(budget=BUDGET)

@@ -12,12 +12,14 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from kvbench import check, kvzap
-from kvbench.budgets import Threshold
-from kvbench.calibrate import Settings, calibrate, corpus_documents, default_folder
+from kvbench.calibration import kvzap
+from kvbench.calibration.calibrate import calibrate, corpus_documents, default_folder
+from kvbench.calibration.methods import Settings
+from kvbench.checks import suite as check
 from kvbench.cli import app
 from kvbench.errors import KvbenchError
 from kvbench.policies import build_policy
+from kvbench.policies.budgets import Threshold
 from kvbench.tasks.corpus import load_corpus
 from tests.conftest import random_ids
 from tests.helpers import NEEDED_PARAMS, run_session
@@ -155,7 +157,7 @@ def test_kvbench_calibrate_reports_the_held_out_scores_and_writes_where_the_poli
     result = CliRunner().invoke(app, arguments)
     assert result.exit_code == 0, result.output
     assert "on 1 held-out documents R^2 " in result.output and "kept sets agree" in result.output
-    from kvbench.models import load_model
+    from kvbench.engine.models import load_model
 
     lm = load_model("random:tiny-llama", dtype="float32", device="cpu")
     run_session(lm, build_policy("kvzap", {"model_type": "linear"}), PROMPT, [], BUDGET)  # finds the model's own

@@ -7,10 +7,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from kvbench.engine.session import Session
+from kvbench.engine.settings import RunSettings
 from kvbench.errors import KvbenchError
 from kvbench.policies import build_policy
-from kvbench.reference import ReferenceAttention, reference_attention, simulate, stock_forward
-from kvbench.session import RunSettings, Session
+from kvbench.policies.reference import ReferenceAttention, reference_attention, simulate, stock_forward
 from tests.conftest import random_ids
 from tests.helpers import run_cache
 

@@ -10,8 +10,8 @@ import torch
 
 lm_eval = pytest.importorskip("lm_eval")
 
-from kvbench.lmeval import KvbenchLM  # noqa: E402
 from kvbench.policies import build_policy  # noqa: E402
+from kvbench.tasks.lmeval_model import KvbenchLM  # noqa: E402
 from tests.conftest import needs_embedded, random_ids  # noqa: E402
 from tests.helpers import model_approx  # noqa: E402
 
@@ -141,7 +141,7 @@ def test_lm_eval_tasks_as_sweep_cells(tmp_path):
 
 
 def test_a_fixed_data_task_takes_one_context_length(tmp_path):
-    from kvbench.config import load_config
+    from kvbench.config.schema import load_config
     from kvbench.errors import KvbenchError
     from tests.test_sweep import write_config
 
@@ -193,8 +193,8 @@ def synthetic_task(folder) -> str:
 
 
 def test_the_context_length_is_the_length_knob_of_a_task_that_generates_its_data(tiny_llama, tmp_path):
-    from kvbench.runner import evaluate
-    from kvbench.session import RunSettings
+    from kvbench.engine.settings import RunSettings
+    from kvbench.runs.runner import evaluate
     from kvbench.tasks import build_task
 
     task = build_task("lm_eval", {"tasks": ["synthetic"], "include_path": synthetic_task(tmp_path)})
@@ -243,7 +243,7 @@ def test_split_at_lets_the_policy_reach_a_single_token_answer(sharp_llama, polic
 
 
 def test_a_single_token_answer_without_a_split_warns_once(sharp_llama, caplog):
-    from kvbench.lmeval import warn_first_token_uncompressed
+    from kvbench.tasks.lmeval_model import warn_first_token_uncompressed
 
     letters, words = [Request(letter_context(), "A")], [Request(letter_context(), " one")]
 
@@ -252,7 +252,7 @@ def test_a_single_token_answer_without_a_split_warns_once(sharp_llama, caplog):
         caplog.clear()
         for policy, requests, args in runs:
             loglikelihoods(sharp_llama, requests, policy, 40 if policy != "full" else None, **args)
-        return [r.getMessage() for r in caplog.records if r.name == "kvbench.lmeval"]
+        return [r.getMessage() for r in caplog.records if r.name == "kvbench.tasks.lmeval_model"]
 
     once = warnings(("window", letters, {}), ("snapkv", letters * 2, {}))
     assert len(once) == 1 and "split_at" in once[0] and "\n" not in once[0]
@@ -310,9 +310,9 @@ def test_a_context_without_the_marker_is_a_one_line_error(tiny_llama):
 
 
 def test_the_sweep_splits_its_agnostic_cells_at_split_at(tmp_path, tiny_llama):
+    from kvbench.engine.models import load_model
+    from kvbench.engine.settings import RunSettings
     from kvbench.errors import KvbenchError
-    from kvbench.models import load_model
-    from kvbench.session import RunSettings
     from kvbench.tasks import build_task
     from tests.test_sweep import sweep, write_config
 
@@ -350,7 +350,7 @@ def test_the_lm_eval_help_lists_the_kvbench_model_args_then_lm_evals_usage():
         for name in ("pretrained", "policy.<param>", "budget", "split_at", "question", "score_chunk"):
             assert f"\n  {name} " in result.output, (flag, name)
         assert result.output.index("split_at") < result.output.index("usage: lm-eval")
-    from kvbench.lmeval import MODEL_ARGS
+    from kvbench.tasks.lmeval_model import MODEL_ARGS
 
     taken = set(inspect.signature(KvbenchLM.__init__).parameters)
     # lm-eval's batching arguments are taken and ignored (a request runs alone), `settings` is for Python callers
@@ -361,13 +361,13 @@ def test_the_lm_eval_help_lists_the_kvbench_model_args_then_lm_evals_usage():
 def test_an_unknown_lm_eval_task_is_one_line_before_the_model_loads(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    import kvbench.lmeval
+    import kvbench.tasks.lmeval_model
     from kvbench.cli import app
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model loaded before the tasks were checked")
 
-    monkeypatch.setattr(kvbench.lmeval, "load_model", no_model)
+    monkeypatch.setattr(kvbench.tasks.lmeval_model, "load_model", no_model)
     result = CliRunner().invoke(app, [
         "lm-eval", "run", "--model", "kvbench", "--model_args", "pretrained=random:tiny-llama", "--tasks",
         "local_mc,local_qb", "--include_path", local_tasks(tmp_path)])

@@ -11,17 +11,21 @@ import pytest
 import torch
 import yaml
 
-from kvbench import calibrate, models
+from kvbench.analysis.serving_report import sustained_lines
+from kvbench.analysis.summary import summarize
+from kvbench.calibration import calibrate
+from kvbench.calibration.methods import Settings
 from kvbench.cli import app
-from kvbench.generation import Prompt, answer, generate
-from kvbench.joint import step_together
-from kvbench.load import searched_rates
-from kvbench.load_report import sustained_lines
-from kvbench.measure import PeakMemory
-from kvbench.models import load_model
+from kvbench.engine import models
+from kvbench.engine.generation import Prompt, answer, generate
+from kvbench.engine.instruments import PeakMemory
+from kvbench.engine.models import load_model
+from kvbench.engine.session import Session, step_together
+from kvbench.engine.settings import RunSettings
 from kvbench.policies import POLICIES, build_policy
 from kvbench.policies.base import takes_budget
-from kvbench.results import RunFolder
+from kvbench.runs.load_cell import searched_rates
+from kvbench.runs.run_folder import RunFolder
 from kvbench.serving import (
     Admission,
     Load,
@@ -31,10 +35,9 @@ from kvbench.serving import (
     Served,
     Service,
     need_tokens,
+    read_trace,
     service_metrics,
 )
-from kvbench.session import RunSettings, Session
-from kvbench.summary import summarize
 from tests.conftest import random_ids
 from tests.helpers import assert_rejected_in_one_line, tiny_policy
 from tests.test_sweep import runner, sweep, sweep_until, write_config
@@ -301,7 +304,7 @@ def test_a_calibrated_policy_hashes_and_reads_its_model_once_before_the_clock_st
     second cell on the same model does neither."""
     monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
     lm = load_model("random:tiny-llama", dtype="float32", device="cpu", seed=7)
-    calibrate.calibrate(lm, "qfilter", "embedded", calibrate.Settings(documents=2, tokens=64, samples=64))
+    calibrate.calibrate(lm, "qfilter", "embedded", Settings(documents=2, tokens=64, samples=64))
     models._DIGESTS.clear()  # a new process, the artifact on disk
     calibrate._READ.clear()
     hashed, read = [], []
@@ -443,7 +446,7 @@ def test_load_cells_serve_only_tasks_that_answer_one_prompt(tmp_path):
 def test_the_load_config_shipped_is_valid():
     from pathlib import Path
 
-    from kvbench.config import load_config
+    from kvbench.config.schema import load_config
 
     config = load_config(Path(__file__).resolve().parent.parent / "configs" / "load.yaml")
     assert config.load is not None and len(config.load.rates or []) >= 3
@@ -454,7 +457,7 @@ def test_the_load_config_shipped_is_valid():
 def test_the_rate_search_config_shipped_is_valid(tmp_path):
     from pathlib import Path
 
-    from kvbench.config import load_config
+    from kvbench.config.schema import load_config
 
     shipped = Path(__file__).resolve().parent.parent / "configs" / "load-search.yaml"
     config = load_config(shipped)
@@ -463,7 +466,7 @@ def test_the_rate_search_config_shipped_is_valid(tmp_path):
     assert planned.exit_code == 0, planned.output
     assert "the rate sustained by 90%" in planned.output
     # its time estimate counts each rate the search may try: 0.05 to 3.2 doubling (7 rates), then 2 more
-    from kvbench.work import served_requests
+    from kvbench.runs.work import served_requests
 
     assert served_requests(config.load.conditions()[0]) == 8 * 9
 
@@ -485,8 +488,17 @@ def test_a_trace_replays_its_arrivals_prompts_and_output_limits(tmp_path):
         "score"]  # NaN: a trace's own prompt is not scored
 
 
-def test_a_bad_trace_line_is_one_line_naming_it(tmp_path):
+@pytest.mark.parametrize("text, where", [('{"arrival_s": 0}\n{"arrival": 1}\n', "trace.jsonl:2"),
+                                         ('{"arrival_s": 0}\n\n{"arrival_s": 1', "trace.jsonl:3: not JSON")])
+def test_a_bad_trace_line_is_one_line_naming_it(tmp_path, text, where):
+    """A line's number is its place in the file, blank lines counted; a cut-off line is an error, not dropped."""
     trace = tmp_path / "trace.jsonl"
-    trace.write_text('{"arrival_s": 0}\n{"arrival": 1}\n')
+    trace.write_text(text)
     config = write_config(tmp_path, {**LOAD, "load": {"trace": str(trace)}})
-    assert_rejected_in_one_line(config, "trace.jsonl:2", tmp_path / "run")
+    assert_rejected_in_one_line(config, where, tmp_path / "run")
+
+
+def test_a_traces_last_line_counts_without_its_newline(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"arrival_s": 0}\n{"arrival_s": 0.5}')
+    assert [request.arrival_s for request in read_trace(trace)] == [0.0, 0.5]

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from kvbench.measure import PeakMemory, Sampler, Stopwatch, memory_pressure, open_nvml, tracing
-from kvbench.models import LoadedModel
+from kvbench.engine.instruments import PeakMemory, Sampler, Stopwatch, memory_pressure, open_nvml, tracing
+from kvbench.engine.models import LoadedModel
+from kvbench.engine.settings import RunSettings
 from kvbench.policies import build_policy
-from kvbench.runner import evaluate
-from kvbench.session import RunSettings
+from kvbench.runs.runner import evaluate
 from kvbench.tasks import build_task
 
 GiB = 2**30

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.cache import CacheSettings, KVCache
+from kvbench.engine.cache import CacheSettings, KVCache
+from kvbench.engine.generation import generate
+from kvbench.engine.settings import RunSettings
 from kvbench.policies import Demand, build_policy
-from kvbench.session import RunSettings, generate
 from tests.conftest import random_ids
 from tests.helpers import run_cache
 

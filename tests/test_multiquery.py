@@ -6,10 +6,10 @@ import random
 
 import pytest
 
+from kvbench.engine.settings import RunSettings
 from kvbench.errors import KvbenchError
 from kvbench.policies import build_policy
-from kvbench.runner import evaluate
-from kvbench.session import RunSettings
+from kvbench.runs.runner import evaluate
 from kvbench.tasks import build_task
 from tests.conftest import needs_embedded
 from tests.helpers import model_approx

@@ -12,10 +12,10 @@ from transformers import DynamicCache
 import kvbench.policies.chunkkv
 import kvbench.policies.keydiff
 import kvbench.policies.lagkv  # noqa: F401  (registers the three)
+from kvbench.checks.tolerance import sum_roundings
 from kvbench.errors import KvbenchError
 from kvbench.policies import Demand, build_policy
-from kvbench.reference import key_norms, simulate, snapkv_reference, stock_forward
-from kvbench.tolerance import sum_roundings
+from kvbench.policies.reference import key_norms, simulate, snapkv_reference, stock_forward
 from tests.conftest import random_ids
 from tests.helpers import assert_close, run_cache
 
@@ -82,7 +82,8 @@ def test_keydiff_keeps_the_keys_least_like_the_mean_key(sharp_llama, decode_too)
 
 def test_keydiff_leaves_a_padded_rows_padding_out_of_its_mean(sharp_llama):
     """In a left-padded batch each row keeps what it keeps alone: padding is no part of the mean key."""
-    from kvbench.session import RunSettings, Session
+    from kvbench.engine.session import Session
+    from kvbench.engine.settings import RunSettings
 
     short, long, budget = random_ids(30, seed=1), random_ids(46, seed=2), 20
     batched = Session(sharp_llama, build_policy("keydiff"), RunSettings(budget=budget), 46,

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvbench.engine.models import byte_tokenizer
 from kvbench.errors import KvbenchError
-from kvbench.models import byte_tokenizer
 from kvbench.tasks import TASKS, build_task, encode_prompt
 from kvbench.tasks.base import Sample
 

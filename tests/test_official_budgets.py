@@ -16,8 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.cache import CacheSettings, KVCache
+from kvbench.engine.cache import CacheSettings, KVCache
 from kvbench.policies import build_policy
+from kvbench.policies.base import spread_budgets
 from tests.conftest import random_ids
 from tests.helpers import kept_masks, run_session
 
@@ -73,7 +74,7 @@ def test_pyramidkv_layer_budgets_on_four_layers(prompt, expected):
 
 def test_ada_kv_over_pyramidkv_takes_its_layer_budgets():
     policy = build_policy("ada_kv", {"base": {"name": "pyramidkv", "window": 32, "beta": 20}})
-    assert policy.layer_budgets(614, 32, 1166) == CAPPED_1166
+    assert spread_budgets(policy, 614, 32, 1166) == CAPPED_1166
 
 
 @pytest.mark.parametrize("prompt,expected", [

@@ -9,10 +9,10 @@ import types
 import pytest
 import torch
 
+from kvbench.engine.settings import RunSettings
 from kvbench.errors import KvbenchError
 from kvbench.policies import build_policy
-from kvbench.runner import evaluate
-from kvbench.session import RunSettings
+from kvbench.runs.runner import evaluate
 from kvbench.tasks import build_task
 from kvbench.tasks.corpus import load_corpus
 from tests.conftest import needs_embedded

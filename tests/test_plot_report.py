@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from kvbench.analysis.plot import figures, pareto_front
+from kvbench.analysis.report import latex, recommend
+from kvbench.analysis.summary import summarize
 from kvbench.cli import app
-from kvbench.plot import figures, pareto_front
-from kvbench.report import latex, recommend
-from kvbench.results import RunFolder
-from kvbench.summary import summarize
+from kvbench.runs.run_folder import RunFolder
 
 runner = CliRunner()
 DEPTHS = [0.1, 0.5, 0.9]
@@ -180,7 +180,7 @@ def test_report_is_one_offline_file(run):
 
 
 def test_report_tables_shorten_long_parameters_and_split_by_model(run):
-    from kvbench.report import _short, html_report
+    from kvbench.analysis.report import _short, html_report
 
     long = "recent_ratio=0.5, storage=quant(bits=4, residual=32)"
     assert _short(long) == f"<span title='{long}'>recent_ratio=0.5, stora…</span>" and _short("bits=4") == \
@@ -196,7 +196,7 @@ def test_report_tables_shorten_long_parameters_and_split_by_model(run):
 
 
 def test_the_gallery_highlights_every_reference():
-    from kvbench.report import highlight
+    from kvbench.analysis.report import highlight
 
     assert highlight("Paris, then paris<b>", ["paris"]) == "<mark>Paris</mark>, then <mark>paris</mark>&lt;b&gt;"
     assert highlight("12⟦345", ["345", "12345"]) == "12" + \
@@ -295,7 +295,7 @@ def test_nll_vs_position_curves_from_per_position_nll(tmp_path):
 
 
 def test_the_drop_allowed_is_said_in_the_task_s_unit():
-    from kvbench.report import tolerance
+    from kvbench.analysis.report import tolerance
 
     assert tolerance(2, higher_is_better=True) == "2 points"
     assert tolerance(2, higher_is_better=False) == "2% of full's value"  # perplexity: relative to full's
@@ -319,7 +319,7 @@ COLOURS = {
 
 
 def test_every_policy_keeps_its_colour():
-    from kvbench.plot import policy_colour
+    from kvbench.analysis.plot import policy_colour
     from kvbench.policies import POLICIES
 
     # the built-in ones (other test files register plugins in the same process)
@@ -329,7 +329,7 @@ def test_every_policy_keeps_its_colour():
 
 
 def test_a_policy_declares_its_own_colour(monkeypatch):
-    from kvbench.plot import policy_colour
+    from kvbench.analysis.plot import policy_colour
     from kvbench.policies import POLICIES
     from kvbench.policies.streaming_llm import StreamingLLM
 

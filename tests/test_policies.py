@@ -8,7 +8,7 @@ import torch
 
 from kvbench.errors import KvbenchError
 from kvbench.policies import Demand, build_policy
-from kvbench.reference import (
+from kvbench.policies.reference import (
     h2o_reference,
     key_norms,
     scissorhands_reference,
@@ -141,7 +141,8 @@ def test_hybrid_is_snapkv_for_the_prompt_then_h2o(sharp_llama):
 
 
 def test_adaptive_switches_at_the_limit_and_not_before(tiny_llama):
-    from kvbench.session import RunSettings, generate
+    from kvbench.engine.generation import generate
+    from kvbench.engine.settings import RunSettings
 
     slot = 2 * tiny_llama.kv_heads * tiny_llama.head_dim * 4 * tiny_llama.num_layers  # bytes per token
     prompt = PROMPT[:60]
@@ -195,7 +196,8 @@ def test_pyramidkv_keeps_each_layers_snapkv_top_set(sharp_llama):
 @pytest.mark.parametrize("settings", [{"prefill": "chunked", "prefill_chunk": 32}, {"question": "agnostic"}])
 def test_uneven_layer_lengths_run_chunked_and_agnostic(tiny_llama, settings):
     """Layers of different lengths need per-layer masks when several tokens arrive at once."""
-    from kvbench.session import RunSettings, generate
+    from kvbench.engine.generation import generate
+    from kvbench.engine.settings import RunSettings
 
     result = generate(tiny_llama, build_policy("pyramidkv", {"window": 8, "beta": 4}), PROMPT[:80], PROMPT[80:],
                       RunSettings(budget=BUDGET, **settings), max_new_tokens=4, eos_token_ids=set())
@@ -254,7 +256,8 @@ def test_ada_kv_shares_the_layer_budget_across_heads_above_a_floor(sharp_llama, 
 
 
 def test_ada_kv_refuses_chunked_prefill(tiny_llama):
-    from kvbench.session import RunSettings, generate
+    from kvbench.engine.generation import generate
+    from kvbench.engine.settings import RunSettings
 
     with pytest.raises(KvbenchError, match="prefill mode 'full'"):
         generate(tiny_llama, build_policy("ada_kv"), PROMPT, [], RunSettings(budget=48, prefill="chunked"),

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from kvbench.cli import app
+from kvbench.engine.instruments import PeakMemory, StepWork
+from kvbench.engine.models import load_model
 from kvbench.engine.pool import Pool, PoolRefused, pool_plan
-from kvbench.measure import PeakMemory, StepWork
-from kvbench.models import load_model
+from kvbench.engine.session import Session
+from kvbench.engine.settings import RunSettings
 from kvbench.policies import POLICIES, build_policy
 from kvbench.policies.base import takes_budget
 from kvbench.serving import Load, Service
-from kvbench.session import RunSettings, Session
 from tests.conftest import random_ids
 from tests.helpers import tiny_policy
 from tests.test_load import LOAD, _alone, _answer, _prompts

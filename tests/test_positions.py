@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from kvbench.policies import build_policy
-from kvbench.reference import reference_attention, stock_forward
+from kvbench.policies.reference import reference_attention, stock_forward
 from tests.conftest import random_ids, sharpen
 from tests.helpers import assert_model_close, model_tolerance, run_session
 
@@ -38,7 +38,7 @@ def test_evicted_cache_equals_masked_full_cache(sharp_llama, name, params):
 def test_window_equals_model_run_on_kept_tokens_with_original_positions():
     """With one layer, the kept K/V depend only on their own tokens and positions, so a window-compressed
     cache must give the logits of the model run on just the kept tokens at their original position ids."""
-    from kvbench.models import load_model
+    from kvbench.engine.models import load_model
 
     lm = sharpen(load_model("random:tiny-llama", dtype="float32", device="cpu", seed=2))
     lm.model.model.layers = lm.model.model.layers[:1]

@@ -12,8 +12,7 @@ import torch
 from transformers import DynamicCache
 from typer.testing import CliRunner
 
-from kvbench import check
-from kvbench.calibrate import (
+from kvbench.calibration.calibrate import (
     Settings,
     calibrate,
     corpus_documents,
@@ -22,10 +21,11 @@ from kvbench.calibrate import (
     qfilters,
     save_qfilters,
 )
+from kvbench.checks import suite as check
 from kvbench.cli import app
 from kvbench.errors import KvbenchError
 from kvbench.policies import build_policy
-from kvbench.reference import qfilter_kept, stock_forward
+from kvbench.policies.reference import qfilter_kept, stock_forward
 from tests.conftest import random_ids
 from tests.helpers import run_session
 from tests.test_kvpress_policies import QueryTap, rope
@@ -146,7 +146,7 @@ def test_kvbench_calibrate_writes_where_the_policy_looks(monkeypatch, tmp_path, 
     assert "read back from the per-model cache" in again.output
     bad = CliRunner().invoke(app, ["calibrate", "-m", "random:tiny-llama", "--method", "kvzap"])
     assert bad.exit_code == 2 and "not one of qfilter, kvzap-linear" in bad.output
-    from kvbench.models import load_model
+    from kvbench.engine.models import load_model
 
     lm = load_model("random:tiny-llama", dtype="float32", device="cpu")
     run_session(lm, build_policy("qfilter"), PROMPT, [], BUDGET)  # finds the model's own folder

@@ -8,11 +8,13 @@ import math
 import pytest
 import torch
 
+from kvbench.checks.tolerance import sum_roundings
+from kvbench.engine.generation import generate
+from kvbench.engine.models import load_model
+from kvbench.engine.session import Session
+from kvbench.engine.settings import RunSettings
 from kvbench.errors import KvbenchError
-from kvbench.models import load_model
 from kvbench.policies import Demand, build_policy
-from kvbench.session import RunSettings, Session, generate
-from kvbench.tolerance import sum_roundings
 from tests.conftest import random_ids
 from tests.helpers import assert_close, assert_model_close
 from tests.test_equivalence import stock_generate
@@ -198,7 +200,7 @@ def test_a_config_budget_below_one_page_is_refused_in_one_line(tmp_path):
 def test_uneven_heads_count_their_reads_without_a_read_back_per_step(sharp_llama, monkeypatch):
     """Ada-KV's heads hold uneven counts after the prompt: each decode step reads what the cache holds, counted on
     the device (no host count of the padding per layer and step, which on a GPU would wait for its queue)."""
-    from kvbench.cache import LayerKV
+    from kvbench.engine.cache import LayerKV
 
     session = Session(sharp_llama, build_policy("ada_kv"), RunSettings(budget=40), prompt_tokens=PROMPT)
     session.prefill(random_ids(PROMPT, seed=5))

@@ -19,13 +19,13 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from kvbench.cells import expand
+from kvbench.analysis.summary import summarize
 from kvbench.cli import app
-from kvbench.config import load_config
-from kvbench.estimate import wall_seconds
-from kvbench.results import RunFolder
-from kvbench.summary import summarize
-from kvbench.work import token_work, work_units
+from kvbench.config.cells import expand
+from kvbench.config.schema import load_config
+from kvbench.engine.estimate import wall_seconds
+from kvbench.runs.run_folder import RunFolder
+from kvbench.runs.work import token_work, work_units
 from tests.test_sweep import ROOT, STABLE, records_by_key, write_config
 
 ray = pytest.importorskip("ray")

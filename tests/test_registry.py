@@ -30,7 +30,7 @@ def test_naming_a_policy_imports_its_module_only():
             "print(sorted(m for m in sys.modules if m.startswith('kvbench.policies.')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert eval(loaded) == ["kvbench.policies.base", "kvbench.policies.deprecated", "kvbench.policies.h2o",
-                            "kvbench.policies.schedule"]
+                            "kvbench.policies.reference", "kvbench.policies.schedule"]
 
 
 def test_an_unknown_name_lists_the_known_ones_without_importing_them():

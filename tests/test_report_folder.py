@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from kvbench.analysis.plot import compare_figures
+from kvbench.analysis.summary import summarize
 from kvbench.cli import app
-from kvbench.plot import compare_figures
-from kvbench.results import RunFolder
-from kvbench.summary import summarize
+from kvbench.runs.run_folder import RunFolder
 from tests.test_plot_report import make_run
 
 runner = CliRunner()

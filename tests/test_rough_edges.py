@@ -16,9 +16,9 @@ import typer.main
 from typer.testing import CliRunner
 
 from kvbench.cli import app
-from kvbench.config import budget_from_text, load_config
+from kvbench.config.schema import budget_from_text, load_config
+from kvbench.engine.estimate import SHAPES, estimate
 from kvbench.errors import KvbenchError
-from kvbench.estimate import SHAPES, estimate
 
 runner = CliRunner()
 

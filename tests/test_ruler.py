@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
+from kvbench.engine.models import byte_tokenizer
 from kvbench.errors import KvbenchError
-from kvbench.models import byte_tokenizer
 from kvbench.tasks import build_task, encode_prompt
 from kvbench.tasks.ruler import SUBTASKS
 from tests.conftest import needs_embedded

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from kvbench.report import advice_lines, scenario_advice
+from kvbench.analysis.report import advice_lines, scenario_advice
 from tasks import TASKS
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.cache import Phase
+from kvbench.engine.cache import Phase
+from kvbench.engine.session import Session
+from kvbench.engine.settings import RunSettings
 from kvbench.policies import build_policy
-from kvbench.session import RunSettings, Session
 from tests.conftest import random_ids
 from tests.helpers import assert_model_close
 
@@ -184,8 +185,9 @@ def test_a_shared_prefill_bills_each_policys_statistics_to_it_alone(tiny_llama, 
     observes, `full` and `window` must not be charged for them."""
     import time
 
+    from kvbench.engine.generation import generate
+    from kvbench.engine.sharing import shared_prefill
     from kvbench.policies.h2o import H2O
-    from kvbench.session import generate, shared_prefill
 
     now = [0.0]
 

@@ -10,9 +10,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvbench.cache import LayerKV
+from kvbench.engine.cache import LayerKV
+from kvbench.engine.generation import generate
+from kvbench.engine.measurements import cache_measurements
+from kvbench.engine.session import Session
+from kvbench.engine.settings import RunSettings
+from kvbench.engine.sharing import shared_prefill
 from kvbench.policies import POLICIES, build_policy
-from kvbench.session import RunSettings, Session, cache_measurements, generate, shared_prefill
 from tests.conftest import random_ids
 from tests.helpers import NEEDED_PARAMS
 
@@ -93,7 +97,7 @@ def test_a_shared_group_peaks_at_the_shared_cache_plus_its_largest_cell(tiny_lla
 
 
 def test_cells_that_compress_alike_compress_once(tiny_llama, monkeypatch):
-    from kvbench.cache import KVCache
+    from kvbench.engine.cache import KVCache
 
     compressions = []
     compress = KVCache.compress

@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.cache import KVCache, step_blocker
-from kvbench.measure import StepWork
+from kvbench.engine.cache import KVCache, step_blocker
+from kvbench.engine.generation import Prompt, generate, generate_rows
+from kvbench.engine.instruments import StepWork
+from kvbench.engine.session import Session
+from kvbench.engine.settings import RunSettings
 from kvbench.policies import POLICIES
-from kvbench.session import Prompt, RunSettings, Session, generate, generate_rows
 from tests.conftest import random_ids
 from tests.helpers import assert_model_close, tiny_policy
 
@@ -79,7 +81,7 @@ def test_a_left_padded_batch_on_static_buffers_is_each_rows_own(tiny_llama, monk
 @pytest.mark.parametrize("shape", ["tiny-gemma3", "tiny-gemma2"])
 @pytest.mark.parametrize("name", ["full", "window", "streaming_llm", "h2o", "tova", "snapkv", "kvzip"])
 def test_sliding_and_soft_capped_layers_on_static_buffers(shape, monkeypatch, name):
-    from kvbench.models import load_model
+    from kvbench.engine.models import load_model
 
     lm = load_model(f"random:{shape}", dtype="float32", device="cpu")
     settings = RunSettings(budget=None if name == "full" else 6)  # below the sliding window (8) too

@@ -9,12 +9,13 @@ import math
 import pytest
 import torch
 
-from kvbench.cache import KVCache
-from kvbench.codecs import ChannelQuant, LowRank, TokenQuant, pack, unpack
+from kvbench.checks.tolerance import sum_roundings
+from kvbench.engine.cache import KVCache
+from kvbench.engine.codecs import ChannelQuant, LowRank, TokenQuant, pack, unpack
+from kvbench.engine.generation import generate
+from kvbench.engine.settings import RunSettings
 from kvbench.errors import KvbenchError
 from kvbench.policies import POLICIES, Policy, build_policy
-from kvbench.session import RunSettings, generate
-from kvbench.tolerance import sum_roundings
 from tests.conftest import random_ids
 from tests.helpers import assert_close, assert_model_close, run_cache, tiny_policy
 

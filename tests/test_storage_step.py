@@ -8,7 +8,7 @@ import contextlib
 import pytest
 import torch
 
-from kvbench.cache import CacheSettings, KVCache, Phase
+from kvbench.engine.cache import CacheSettings, KVCache, Phase
 from kvbench.policies import build_policy
 
 STORAGES = [("quant", {"bits": bits, "group_size": 8, "residual": 16}) for bits in (2, 4, 8)] + [

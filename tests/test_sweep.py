@@ -15,11 +15,11 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from kvbench.cells import expand
+from kvbench.analysis.summary import summarize
 from kvbench.cli import app
-from kvbench.config import load_config
-from kvbench.results import RunFolder
-from kvbench.summary import summarize
+from kvbench.config.cells import expand
+from kvbench.config.schema import load_config
+from kvbench.runs.run_folder import RunFolder
 from tests.helpers import assert_rejected_in_one_line
 
 runner = CliRunner()
@@ -350,11 +350,11 @@ def test_trace_saves_each_samples_memory_series(tmp_path):
 
 
 def test_speed_cells_warm_up_repeat_and_keep_the_median(tmp_path, monkeypatch):
-    import kvbench.sweep
+    import kvbench.runs.sweep
 
     calls = []
-    real = kvbench.sweep.evaluate
-    monkeypatch.setattr(kvbench.sweep, "evaluate", lambda *a, **k: calls.append(k["shared"]) or real(*a, **k))
+    real = kvbench.runs.sweep.evaluate
+    monkeypatch.setattr(kvbench.runs.sweep, "evaluate", lambda *a, **k: calls.append(k["shared"]) or real(*a, **k))
     config = {**TINY, "policies": ["full", "window"], "budgets": [32], "samples": 1,
               "timing": {"warmup": 1, "repeats": 3}}
     sweep(write_config(tmp_path, config), tmp_path / "run")
@@ -367,16 +367,16 @@ def test_speed_cells_warm_up_repeat_and_keep_the_median(tmp_path, monkeypatch):
 
 
 def test_an_out_of_memory_cell_is_recorded_and_the_next_runs(tmp_path, monkeypatch):
-    import kvbench.sweep
+    import kvbench.runs.sweep
 
-    real = kvbench.sweep.evaluate
+    real = kvbench.runs.sweep.evaluate
 
     def evaluate(lm, task, policy, *args, **kwargs):
         if policy.name == "window":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(lm, task, policy, *args, **kwargs)
 
-    monkeypatch.setattr(kvbench.sweep, "evaluate", evaluate)
+    monkeypatch.setattr(kvbench.runs.sweep, "evaluate", evaluate)
     config = {**TINY, "policies": ["window", "full", {"name": "h2o", "recent_ratio": 0.5}], "budgets": [32]}
     sweep(write_config(tmp_path, config), tmp_path / "run")
     statuses = {c["cell"]["policy"]["name"]: c for c in RunFolder(tmp_path / "run").cells().values()}
@@ -418,7 +418,7 @@ def test_compression_and_hybrid_cells_with_their_own_budgets(tmp_path):
     families = {r["policy"]["name"]: r["family"] for r in RunFolder(tmp_path / "run").records()}
     assert families == {"full": "none", "quant": "compression", "h2o": "hybrid"}
     pytest.importorskip("matplotlib")
-    from kvbench.plot import figures
+    from kvbench.analysis.plot import figures
 
     drawn = figures(tmp_path / "run")  # a policy without a budget is one point / one heatmap panel
     assert {"score_vs_bytes_niah", "needle_heatmaps_niah"} <= set(drawn)
@@ -430,9 +430,9 @@ def test_compression_and_hybrid_cells_with_their_own_budgets(tmp_path):
 @pytest.mark.parametrize("failure", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB"),
                                      RuntimeError("the shared forward broke")])
 def test_a_failing_shared_forward_records_its_cells_and_the_sweep_goes_on(tmp_path, monkeypatch, failure):
-    import kvbench.sweep
+    import kvbench.runs.sweep
 
-    real, calls = kvbench.sweep.shared_prefill, []
+    real, calls = kvbench.runs.sweep.shared_prefill, []
 
     def shared_prefill(lm, ids, observers, settings=None):
         calls.append(len(ids))
@@ -440,7 +440,7 @@ def test_a_failing_shared_forward_records_its_cells_and_the_sweep_goes_on(tmp_pa
             raise failure
         return real(lm, ids, observers, settings)
 
-    monkeypatch.setattr(kvbench.sweep, "shared_prefill", shared_prefill)
+    monkeypatch.setattr(kvbench.runs.sweep, "shared_prefill", shared_prefill)
     config = {**TINY, "context_lengths": [260, 300], "samples": 1, "tasks": [{"name": "niah", "depths": [0.5]}],
               "budgets": [32]}
     result = runner.invoke(app, ["sweep", str(write_config(tmp_path, config)), "-o", str(tmp_path / "run"), "-q"])
@@ -456,12 +456,12 @@ def test_a_failing_shared_forward_records_its_cells_and_the_sweep_goes_on(tmp_pa
 
 
 def test_a_sweep_where_no_cell_succeeded_exits_1(tmp_path, monkeypatch):
-    import kvbench.sweep
+    import kvbench.runs.sweep
 
     def evaluate(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(kvbench.sweep, "evaluate", evaluate)
+    monkeypatch.setattr(kvbench.runs.sweep, "evaluate", evaluate)
     config = {**TINY, "policies": ["full", "window"], "budgets": [32], "samples": 1}
     result = runner.invoke(app, ["sweep", str(write_config(tmp_path, config)), "-o", str(tmp_path / "run"), "-q"])
     assert result.exit_code == 1 and "sweep failed: 2 oom" in result.output
@@ -479,7 +479,7 @@ def test_a_dry_run_needs_neither_the_device_nor_the_network(monkeypatch, name, s
     from typer.testing import CliRunner
 
     from kvbench.cli import app
-    from kvbench.estimate import SHAPES, offline_shape
+    from kvbench.engine.estimate import SHAPES, offline_shape
 
     def no_hub(*args, **kwargs):
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")

@@ -9,10 +9,11 @@ import torch
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from kvbench.check import kept_masks
+from kvbench.checks.suite import kept_masks
+from kvbench.engine.session import Session
+from kvbench.engine.settings import RunSettings
 from kvbench.errors import KvbenchError
 from kvbench.policies import build_policy
-from kvbench.session import RunSettings, Session
 from tests.conftest import random_ids
 from tests.helpers import assert_model_close
 

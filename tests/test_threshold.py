@@ -13,17 +13,17 @@ import torch
 from matplotlib.collections import LineCollection
 from typer.testing import CliRunner
 
-from kvbench.budgets import Threshold
-from kvbench.cells import expand
+from kvbench.analysis.gate import Limits, gate, make_baseline
+from kvbench.analysis.plot import figures
+from kvbench.analysis.report import recommend
+from kvbench.analysis.summary import summarize
 from kvbench.cli import app
-from kvbench.config import load_config
+from kvbench.config.cells import expand
+from kvbench.config.schema import load_config
 from kvbench.errors import KvbenchError
-from kvbench.gate import Limits, gate, make_baseline
-from kvbench.plot import figures
 from kvbench.policies import POLICIES, build_policy
-from kvbench.report import recommend
-from kvbench.results import RunFolder
-from kvbench.summary import summarize
+from kvbench.policies.budgets import Threshold
+from kvbench.runs.run_folder import RunFolder
 from tests.conftest import random_ids
 from tests.helpers import NEEDED_PARAMS, assert_model_close, assert_rejected_in_one_line, run_session
 from tests.test_sweep import sweep, write_config
@@ -114,7 +114,8 @@ def test_never_above_the_prompt(sharp_llama, name):
 
 
 def test_a_threshold_that_keeps_everything_generates_as_the_full_cache(sharp_llama):
-    from kvbench.session import RunSettings, generate
+    from kvbench.engine.generation import generate
+    from kvbench.engine.settings import RunSettings
 
     question, settings = random_ids(4, seed=7), RunSettings(budget=Threshold(1e-12))
     full = generate(sharp_llama, build_policy("full"), PROMPT, question, RunSettings(), 6, eos_token_ids=set())
@@ -151,7 +152,8 @@ def test_later_compressions_never_keep_the_padding_of_uneven_heads(sharp_llama):
 
 
 def test_a_batch_of_rows_is_refused_by_the_cache(tiny_llama):
-    from kvbench.session import RunSettings, Session
+    from kvbench.engine.session import Session
+    from kvbench.engine.settings import RunSettings
 
     with pytest.raises(KvbenchError, match="one sequence at a time"):
         Session(tiny_llama, build_policy("knorm"), RunSettings(budget=Threshold(0.01)), prompt_tokens=[8, 8],

@@ -1,11 +1,11 @@
-"""Tolerances from the arithmetic (kvbench/tolerance.py) and the check's comparison of generations that uses them."""
+"""Tolerances from the arithmetic (checks/tolerance.py) and the check's comparison of generations that uses them."""
 
 import pytest
 import torch
 
-from kvbench.check import compare_generations
-from kvbench.models import _random_config
-from kvbench.tolerance import forward_roundings, magnitude, model_tolerance, relative_tolerance, sum_roundings
+from kvbench.checks.suite import compare_generations
+from kvbench.checks.tolerance import forward_roundings, magnitude, model_tolerance, relative_tolerance, sum_roundings
+from kvbench.engine.models import _random_config
 
 
 def test_a_tolerance_grows_with_the_roundings_and_the_dtypes_unit_roundoff():

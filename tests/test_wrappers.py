@@ -1,5 +1,5 @@
 """Wrappers (compose, hybrid, adaptive, ada_kv, chunkkv, criticalkv, whole_segments) forward every policy hook to
-their stages by construction."""
+their stages by construction, and what the engine asks of a policy's kind reaches the stage in charge."""
 
 from __future__ import annotations
 
@@ -11,10 +11,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvbench.cache import Phase
+from kvbench.engine.cache import Phase
 from kvbench.errors import KvbenchError
 from kvbench.policies import POLICIES, Demand, Policy, build_policy
-from kvbench.policies.base import Schedule, Wrapper, hooks
+from kvbench.policies.base import (
+    LayerSpread,
+    Merging,
+    Schedule,
+    Sparse,
+    Wrapper,
+    fold_evicted,
+    hooks,
+    observers_of,
+    sparse_reads,
+    spread_budgets,
+    state_keys_of,
+)
 from tests.conftest import random_ids
 from tests.helpers import run_session
 
@@ -22,7 +34,7 @@ from tests.helpers import run_session
 # not what the cache asks of it while running. A new member must be added here or be a @hook.
 NOT_HOOKS = {"describe", "evicts_during_decode", "phases", "kind", "layout", "params", "state_key", "check",
              "check_budget", "check_settings", "check_threshold", "reference", "ring", "static_blocker"}
-ANSWERS = {"report": {}, "observers": [], "state_keys": [], "layer_budgets": [1], "batch_limits": [], "bounded": True}
+ANSWERS = {"report": {}, "layer_budgets": [1], "batch_limits": [], "bounded": True}
 
 
 def public_members(cls: type) -> set[str]:
@@ -33,7 +45,8 @@ def public_members(cls: type) -> set[str]:
 
 def test_every_public_member_of_policy_is_a_hook_or_declared_not_one():
     assert public_members(Policy) - set(hooks()) == NOT_HOOKS
-    assert {"score", "select", "fold", "layer_budgets", "bounded", "observe", "report"} <= set(hooks())
+    assert set(hooks()) == {"observe", "score", "threshold_score", "select", "bounded", "prepare", "after_prompt",
+                            "report", "batch_limits"}
 
 
 WRAPPERS = sorted(name for name in POLICIES.names() if issubclass(POLICIES.get(name), Wrapper))
@@ -66,8 +79,7 @@ for _name in hooks():
 def call_hook(policy: Policy, name: str, cache) -> None:
     layer = SimpleNamespace(owner=cache)
     arguments = {"observe": (layer, None, None, 1.0, cache.phase), "score": (layer, 8), "select": (layer, 8),
-                 "threshold_score": (layer,), "fold": (layer, None), "read_mask": (layer, None, 8),
-                 "layer_budgets": (8, 2), "report": (), "observers": (), "state_keys": (), "batch_limits": (),
+                 "threshold_score": (layer,), "report": (), "batch_limits": (),
                  "after_prompt": (SimpleNamespace(cache=cache, segments=()), None), "prepare": (None,),
                  "bounded": (layer,)}
     getattr(policy, name)(*arguments[name])
@@ -91,6 +103,52 @@ def test_each_wrapper_forwards_every_hook_to_the_stage_it_concerns(wrapper, phas
         assert reached == expected[scope], f"{wrapper}.{name} in {phase.value}"
 
 
+
+class KindSpy(Spy, Merging, LayerSpread, Sparse):
+    """A stage of every kind, recording which of its kind's methods were called."""
+
+    name = "kind_spy"
+    needs_attention = True
+
+    def fold(self, layer, evicted):
+        self.calls.append("fold")
+
+    def layer_budgets(self, budget, num_layers, prompt_tokens=None):
+        self.calls.append("layer_budgets")
+        return [budget] * num_layers
+
+    def read_mask(self, layer, query, budget):
+        self.calls.append("read_mask")
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+@pytest.mark.parametrize("phase", [Phase.PREFILL, Phase.DECODE])
+def test_what_the_engine_asks_of_a_kind_reaches_the_stage_in_charge(wrapper, phase):
+    """fold and read_mask reach the stage in charge of the cache, layer_budgets the first (the prompt's); the
+    statistics to gather are every stage's."""
+    params = {"limit_bytes": 1} if wrapper == "adaptive" else {}
+    policy = build_policy(wrapper, params)
+    policy._stages = tuple(KindSpy() for _ in policy._stages)
+    cache = SimpleNamespace(phase=phase, live_bytes=lambda: 10, layers=[SimpleNamespace(seen=5)])
+    layer = SimpleNamespace(owner=cache)
+    for name, ask, expected in [("fold", lambda: fold_evicted(policy, layer, None), policy.stage(cache)),
+                                ("read_mask", lambda: sparse_reads(policy, layer, None, 8), policy.stage(cache)),
+                                ("layer_budgets", lambda: spread_budgets(policy, 8, 2), policy._stages[0])]:
+        for spy in policy._stages:
+            spy.calls.clear()
+        ask()
+        assert [spy for spy in policy._stages if name in spy.calls] == [expected], f"{wrapper}.{name}"
+    assert observers_of(policy) == list(policy._stages)
+    assert len(state_keys_of(policy)) == len(policy._stages)
+
+
+@pytest.mark.parametrize("method, kind", [("fold", "Merging"), ("read_mask", "Sparse"),
+                                          ("layer_budgets", "LayerSpread"), ("observers", None)])
+def test_a_kinds_method_on_a_policy_of_another_kind_is_an_error_naming_the_kind(method, kind):
+    with pytest.raises(KvbenchError, match=f"defines `{method}`.*{kind or 'needs_attention'}"):
+        type("Plugin", (Policy,), {method: lambda self, *args: None})
+
+
 def test_what_a_wrapper_decides_itself_is_declared():
     """A wrapper's own hook methods either still reach the stages (tested above) or are listed in `decides`."""
     for name in WRAPPERS:
@@ -110,7 +168,7 @@ def test_compose_with_pyramidkv_uses_its_layer_budgets(tiny_llama):
     pyramid = {"name": "pyramidkv", "window": 8, "beta": 4}
     policy = build_policy("compose", {"prefill": pyramid, "decode": "h2o"})
     expected = build_policy("pyramidkv", {"window": 8, "beta": 4}).layer_budgets(48, tiny_llama.num_layers)
-    assert policy.layer_budgets(48, tiny_llama.num_layers) == expected and len(set(expected)) > 1
+    assert spread_budgets(policy, 48, tiny_llama.num_layers) == expected and len(set(expected)) > 1
     session, _ = run_session(tiny_llama, policy, random_ids(120, seed=1), random_ids(6, seed=2), budget=48)
     held = [int(layer.held_counts().max()) for layer in session.cache.layers]
     assert held == expected  # the pyramid holds while decoding

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvbench.results import RunFolder
+from kvbench.runs.run_folder import RunFolder
 
 FACTS_STEP = "facts"  # torch, transformers and nvidia-ml-py import
 DECODE_STEP = "decode"  # benchmarks/decode_step.py, its rows in OUT/decode.json
@@ -67,7 +67,7 @@ def step_status(out: Path, step: str) -> str | None:
 
 
 def memory_cap(memory: dict[str, Any], device_memory: int) -> float:
-    """The bytes a pressure cell's process may allocate (kvbench.measure.memory_pressure)."""
+    """The bytes a pressure cell's process may allocate (kvbench.engine.instruments.memory_pressure)."""
     if memory.get("limit_bytes") is not None:
         return memory["limit_bytes"]
     return (1 - memory["pressure"]) * device_memory

@@ -19,8 +19,8 @@ def summarize(
     """Rewrite a run folder's summary from its records.
 
     The summary: summary.csv and summary.md (and summary.tex with --latex)."""
-    from kvbench.latex import latex as latex_tables
-    from kvbench.summary import summarize as write_summary
+    from kvbench.analysis.latex import latex as latex_tables
+    from kvbench.analysis.summary import summarize as write_summary
 
     folder = run_folder(run)
     frame = write_summary(folder)
@@ -46,7 +46,7 @@ def plot(
 
     Score vs cache ratio and bytes, needle heatmaps, memory, speed and the Pareto front; for a folder of runs, each
     run's figures and compare_<task> figures of the runs that share a task and model."""
-    from kvbench.plot import plot_folder, plot_run
+    from kvbench.analysis.plot import plot_folder, plot_run
 
     if _is_run(run):
         paths = plot_run(run, out, fmt, style, log_x, x)
@@ -70,7 +70,7 @@ def report(
 
     RUN/report.html opens with the recommendation, then figures, tables and a failure gallery; for a folder of runs,
     each run's report and FOLDER/report.html indexing and comparing them."""
-    from kvbench.report import html_report, report_folder
+    from kvbench.analysis.report import html_report, report_folder
 
     if _is_run(run):
         stdout.print(f"report: {html_report(run, max_drop)}", highlight=False)
@@ -81,7 +81,7 @@ def report(
 
 def _is_run(path: str) -> bool:
     """A run folder (manifest.json) is drawn and reported as one run; anything else must be a folder of runs."""
-    from kvbench.results import MANIFEST
+    from kvbench.runs.run_folder import MANIFEST
 
     return (Path(path) / MANIFEST).is_file()
 
@@ -98,10 +98,10 @@ def recommend(
     """The smallest cache within the allowed drop of full.
 
     One answer per task and context length (and per model and dtype when the run has several)."""
-    from kvbench.recommend import recommend as pick
-    from kvbench.summary import model_facets
-    from kvbench.summary import summarize as read_summary
-    from kvbench.tables import recommend_table
+    from kvbench.analysis.recommend import recommend as pick
+    from kvbench.analysis.summary import model_facets
+    from kvbench.analysis.summary import summarize as read_summary
+    from kvbench.analysis.tables import recommend_table
 
     # each model and dtype answers for itself: its cells are compared with its own full cache
     for facet, rows in model_facets(read_summary(run_folder(run), write=False)):
@@ -117,7 +117,7 @@ def baseline(
     """Freeze a run's per-cell metrics as a baseline for `gate`.
 
     The metrics: scores per sample, kv peak, speed ratios."""
-    from kvbench.gate import make_baseline
+    from kvbench.analysis.gate import make_baseline
 
     made = make_baseline(run, out)
     stdout.print(f"{out}: baseline of {len(made['cells'])} cells from {run}", highlight=False)
@@ -147,8 +147,8 @@ def gate_command(
     """Check a run against a baseline for regressions.
 
     Exit 1 on a regression, 2 on bad input, 0 otherwise."""
-    from kvbench.gate import Limits, gate, junit, load_baseline, markdown
-    from kvbench.tables import gate_table
+    from kvbench.analysis.gate import Limits, gate, junit, load_baseline, markdown
+    from kvbench.analysis.tables import gate_table
 
     limits = Limits(max_drop=max_drop, max_mem_increase=parse_fraction(max_mem_increase, "--max-mem-increase"),
                     max_slowdown=None if max_slowdown is None else parse_fraction(max_slowdown, "--max-slowdown"),

@@ -73,7 +73,7 @@ PLUGINS = typer.Option(None, "--plugins", help="Folder of extra policy/task file
 
 def full_dtype_names(value: Any) -> Any:
     """`--dtype` (one or a list) by full names: bf16, fp16, fp32 as bfloat16, float16, float32."""
-    from kvbench.estimate import canonical_dtype
+    from kvbench.engine.estimate import canonical_dtype
 
     return canonical_dtype(value) if isinstance(value, str) else [canonical_dtype(dtype) for dtype in value]
 
@@ -149,8 +149,8 @@ def parse_budget(text: str, command: str | None = None) -> Any:
     """`128` (tokens per layer and KV head), `0.25` or `25%` (a ratio of the prompt), or `threshold=0.01` where
     `command` is None (a `Threshold`: what a prompt keeps, which only running it tells); warns, on one line, of a
     small integer that reads like a ratio."""
-    from kvbench.budgets import Threshold
-    from kvbench.config import budget_from_text, warn_if_ratio_like
+    from kvbench.config.schema import budget_from_text, warn_if_ratio_like
+    from kvbench.policies.budgets import Threshold
 
     value = budget_from_text(text)
     if isinstance(value, Threshold) and command is not None:

@@ -1,4 +1,5 @@
-"""`kvbench calibrate`: a calibrated policy's artifact, computed from the model itself (kvbench/calibrate.py)."""
+"""`kvbench calibrate`: a calibrated policy's artifact, computed from the model itself
+(kvbench/calibration/calibrate.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from kvbench.calibrate import METHODS, SIZES, check_writable, dtype_name, require_method
+from kvbench.calibration.methods import METHODS, SIZES, check_writable, dtype_name, require_method
 from kvbench.cli.app import DTYPE, app, progress_bar, stderr, stdout, user_errors
 
 KVZAP_SMALL, KVZAP_PAPER = SIZES["kvzap-mlp"]
@@ -56,8 +57,8 @@ def calibrate(
     (ExpectedAttentionStats, for expected_attention_stats). Each window starts as the policy's prompts do (the
     tokenizer's start token; for kvzap the chat template's user turn, where there is one). Computed once per model,
     settings and calibration format: a second run reads the result back, one made by an older kvbench is recomputed."""
-    from kvbench.calibrate import calibrate as run_calibration
-    from kvbench.models import load_model
+    from kvbench.calibration.calibrate import calibrate as run_calibration
+    from kvbench.engine.models import load_model
 
     require_method(method)  # before the model loads
     if output is not None:

@@ -40,8 +40,15 @@ def check(
 
     full equals model.generate, policies keep what their references keep, memory readings hold, decode speed. Exit
     1 if a check fails."""
-    from kvbench.check import CheckSettings, checkable, default_context, reference_kernel, report_dict, run_checks
-    from kvbench.models import load_model, resolve_device
+    from kvbench.checks.suite import (
+        CheckSettings,
+        checkable,
+        default_context,
+        reference_kernel,
+        report_dict,
+        run_checks,
+    )
+    from kvbench.engine.models import load_model, resolve_device
 
     names = tuple(name.strip() for name in policies.split(",") if name.strip()) if policies else checkable()
     long = context or default_context(resolve_device(device))

@@ -26,10 +26,10 @@ from kvbench.cli.app import (
 from kvbench.errors import KvbenchError
 
 if TYPE_CHECKING:
-    from kvbench.cells import Cell
-    from kvbench.models import LoadedModel
+    from kvbench.config.cells import Cell
+    from kvbench.engine.models import LoadedModel
+    from kvbench.engine.settings import RunSettings
     from kvbench.policies import Policy
-    from kvbench.settings import RunSettings
     from kvbench.tasks import Sample, Task
 
 
@@ -73,11 +73,11 @@ def run(
     """Compare policies on one task: quality, speed, cache memory.
 
     Each policy runs beside `full` on the same samples, without a run folder."""
-    from kvbench.budgets import budget_description
-    from kvbench.cells import expand
-    from kvbench.config import ModelConfig, PolicySpec, PrefillConfig, SweepConfig, TaskSpec
-    from kvbench.estimate import canonical_dtype
+    from kvbench.config.cells import expand
+    from kvbench.config.schema import ModelConfig, PolicySpec, PrefillConfig, SweepConfig, TaskSpec
+    from kvbench.engine.estimate import canonical_dtype
     from kvbench.policies import build_policy
+    from kvbench.policies.budgets import budget_description
     from kvbench.registry import load_plugins
     from kvbench.tasks import build_task
 
@@ -109,13 +109,13 @@ def run(
     cells = expand(grid)
     runs = _checked_runs(cells)
 
-    from kvbench.models import load_model
+    from kvbench.engine.models import load_model
 
     lm = load_model(model, dtype=dtype, device=device, device_map=device_map, seed=seed, compile=compile_steps)
     records = _evaluate_all(lm, task_obj, _sample_work(lm, task_obj, cells), runs, as_json)
     write_json("\n".join(json.dumps(record) for record in records), json_path)
     if not as_json:
-        from kvbench.tables import summary_table
+        from kvbench.analysis.tables import summary_table
 
         stdout.print(summary_table(records, lm.describe()))
 
@@ -123,8 +123,8 @@ def run(
 def _checked_runs(cells: list[Cell]) -> dict[str, tuple[Policy, RunSettings]]:
     """Each cell's policy and settings, by cell id; a token budget or a threshold a policy cannot take stops here,
     before the model loads (a ratio is checked against each prompt)."""
-    from kvbench.budgets import Threshold
     from kvbench.policies.base import Demand
+    from kvbench.policies.budgets import Threshold
 
     runs: dict[str, tuple[Policy, RunSettings]] = {}
     for cell in cells:
@@ -152,7 +152,7 @@ def _evaluate_all(lm: LoadedModel, task: Task, work: list[tuple[Cell, Sample]],
                   runs: dict[str, tuple[Policy, RunSettings]], as_json: bool) -> list[dict[str, Any]]:
     """The records of `work` in order, with a progress bar; each printed as a JSON line as it finishes with
     `as_json`."""
-    from kvbench.runner import evaluate
+    from kvbench.runs.runner import evaluate
 
     records = []
     with progress_bar(disable=False) as progress:

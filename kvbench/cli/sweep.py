@@ -14,10 +14,10 @@ from kvbench.errors import KvbenchError
 if TYPE_CHECKING:
     import torch
 
-    from kvbench.cells import Cell
-    from kvbench.config import SweepConfig
-    from kvbench.outcomes import Progress
-    from kvbench.results import RunFolder
+    from kvbench.config.cells import Cell
+    from kvbench.config.schema import SweepConfig
+    from kvbench.runs.outcomes import Progress
+    from kvbench.runs.run_folder import RunFolder
 
 
 def _default_output(name: str, shard_spec: str | None) -> str:
@@ -64,11 +64,11 @@ def sweep(
     """Run a config's grid into a resumable run folder.
 
     The grid: policies x budgets x context lengths x tasks (and models, dtypes, question placements)."""
-    from kvbench.cells import expand, shard
-    from kvbench.config import load_config
+    from kvbench.config.cells import expand, shard
+    from kvbench.config.schema import load_config
     from kvbench.registry import load_plugins
-    from kvbench.results import RunFolder
-    from kvbench.sweep import finished_cells
+    from kvbench.runs.run_folder import RunFolder
+    from kvbench.runs.sweep import finished_cells
 
     on_ray = _check_executor(executor, address=address, workers=workers, gpus_per_worker=gpus_per_worker,
                              verbose=verbose)
@@ -114,13 +114,13 @@ def _with_batch_size(cfg: SweepConfig, batch_size: int | None) -> SweepConfig:
 def _report(cfg: SweepConfig, cells: list[Cell], folder: RunFolder, completed: bool, quiet: bool) -> None:
     """The summary's tables (unless quiet) and where the run folder is; exit 130 if the sweep was interrupted, 1 if it
     failed."""
-    from kvbench.summary import summarize
-    from kvbench.sweep import outcome
+    from kvbench.analysis.summary import summarize
+    from kvbench.runs.sweep import outcome
 
     frame = summarize(folder.path)
     if not quiet and not frame.empty:
-        from kvbench.summary import model_facets
-        from kvbench.tables import sweep_table
+        from kvbench.analysis.summary import model_facets
+        from kvbench.analysis.tables import sweep_table
 
         for facet, rows in model_facets(frame):  # a table per model and dtype, when the grid has several
             stdout.print(sweep_table(rows, f"{cfg.name}, {facet}" if facet else cfg.name))
@@ -154,9 +154,9 @@ def _dry_run(path: str, cfg, cells, folder, share: bool, workers: int | None) ->
     """The grid's size and a rough time: summed, or on `workers` Ray workers taking the longest unit first. Runs
     nothing and needs neither the model's device nor the network: a model's size comes from its local config or a
     built-in shape, and what cannot be known is said."""
-    from kvbench.estimate import DTYPE_BYTES, SPEEDS, estimate_seconds, offline_shape, wall_seconds
-    from kvbench.models import resolve_dtype
-    from kvbench.work import cell_work, work_units
+    from kvbench.engine.estimate import DTYPE_BYTES, SPEEDS, estimate_seconds, offline_shape, wall_seconds
+    from kvbench.engine.models import resolve_dtype
+    from kvbench.runs.work import cell_work, work_units
 
     done = folder.done() if folder.manifest() else set()
     plans, unknown = {}, []
@@ -194,11 +194,11 @@ def _dry_run(path: str, cfg, cells, folder, share: bool, workers: int | None) ->
 def pool_lines(cells: list[Cell], plans: dict[tuple[str, str], tuple[Any, float, Any]]) -> list[str]:
     """Per load condition, how many requests each policy's cache lets the pool hold at once, from the model's shape
     (its full-attention layers: a sliding window's cap is not counted)."""
-    from kvbench.cells import cell_task
+    from kvbench.analysis.summary import load_label
+    from kvbench.config.cells import cell_task
+    from kvbench.engine.estimate import human_bytes
     from kvbench.engine.pool import pool_blocker
-    from kvbench.estimate import human_bytes
     from kvbench.serving import need_tokens, pool_spec
-    from kvbench.summary import load_label
 
     lines: dict[str, list[str]] = {}
     for cell in cells:
@@ -241,8 +241,8 @@ def planned_device(device: str) -> torch.device:
 
 def _run_locally(cfg, cells, first_model, folder, shard_spec, force: bool, quiet: bool, share: bool,
                  retry_failed: bool, trace: bool) -> bool:
-    from kvbench.results import environment
-    from kvbench.sweep import ModelLoader, manifest, run_sweep
+    from kvbench.runs.run_folder import environment
+    from kvbench.runs.sweep import ModelLoader, manifest, run_sweep
 
     models = ModelLoader(cfg)
     # the first model to run loads before the run folder is written: a bad model spec stops here, nothing
@@ -259,8 +259,8 @@ def _run_on_ray(cfg, cells, first_model, folder, shard_spec, force: bool, quiet:
                 workers: int | None, gpus_per_worker: float | None, verbose: bool) -> bool:
     from pathlib import Path
 
-    from kvbench import ray_executor
-    from kvbench.sweep import manifest
+    from kvbench.runs import ray_executor
+    from kvbench.runs.sweep import manifest
 
     # the workers import the same plugin folders, wherever their working directory is
     folders = [str(Path(folder_path).resolve()) for folder_path in plugin_folders]
@@ -277,9 +277,9 @@ def _run_on_ray(cfg, cells, first_model, folder, shard_spec, force: bool, quiet:
 
 def _run(cells, folder, run_manifest, force: bool, quiet: bool, run_sweep: Callable[[Progress], bool]) -> bool:
     """Open the run folder and run the sweep with a progress bar; False if interrupted."""
-    from kvbench.cells import sample_total
-    from kvbench.outcomes import Progress
-    from kvbench.results import now
+    from kvbench.config.cells import sample_total
+    from kvbench.runs.outcomes import Progress
+    from kvbench.runs.run_folder import now
 
     folder.open(run_manifest, force)
     with progress_bar(disable=quiet) as bar:
@@ -307,8 +307,8 @@ def validate(
     plugins: str | None = PLUGINS,
 ) -> None:
     """Check a sweep config without running it."""
-    from kvbench.cells import expand
-    from kvbench.config import load_config
+    from kvbench.config.cells import expand
+    from kvbench.config.schema import load_config
     from kvbench.registry import load_plugins
 
     if plugins:
@@ -324,8 +324,8 @@ def merge(
     shards: list[str] = typer.Argument(..., help="Shard run folders (from `sweep --shard i/N`)."),
 ) -> None:
     """Combine the run folders of a sharded sweep into one."""
-    from kvbench.results import merge_runs
-    from kvbench.summary import summarize as write_summary
+    from kvbench.analysis.summary import summarize as write_summary
+    from kvbench.runs.run_folder import merge_runs
 
     merge_runs(output, shards)
     frame = write_summary(output)

@@ -9,6 +9,7 @@ from typing import Any, Literal, cast
 
 import typer
 
+from kvbench.analysis.tables import listing
 from kvbench.cli.app import (
     DTYPE,
     PLUGINS,
@@ -23,10 +24,9 @@ from kvbench.cli.app import (
     user_errors,
     write_json,
 )
+from kvbench.engine.estimate import human_bytes
 from kvbench.errors import KvbenchError
-from kvbench.estimate import human_bytes
 from kvbench.registry import first_line
-from kvbench.tables import listing
 
 
 @app.command(name="capacity")
@@ -55,11 +55,11 @@ def capacity_command(
 
     The largest batch at --context, or the longest context at --batch, within --memory-limit or --pressure, and
     its decode speed."""
-    from kvbench.capacity import capacity
-    from kvbench.estimate import parse_bytes
-    from kvbench.models import load_model
+    from kvbench.engine.estimate import parse_bytes
+    from kvbench.engine.models import load_model
+    from kvbench.engine.settings import RunSettings
     from kvbench.policies import build_policy
-    from kvbench.settings import RunSettings
+    from kvbench.tasks.capacity_search import capacity
 
     if (context is None) == (batch is None):
         raise KvbenchError("give either --context (find the largest batch) or --batch (find the longest context)")
@@ -112,8 +112,8 @@ def estimate_command(
     """Estimate a model's KV-cache memory without loading it.
 
     One row per context length, batch, dtype and budget, beside the weights."""
-    from kvbench.estimate import estimate, model_shape, parse_bytes
-    from kvbench.tables import estimate_table
+    from kvbench.analysis.tables import estimate_table
+    from kvbench.engine.estimate import estimate, model_shape, parse_bytes
 
     shape = model_shape(model)
     limit = None if device_memory is None else parse_bytes(device_memory)
@@ -226,7 +226,7 @@ def lm_eval_command(ctx: typer.Context) -> None:
     try:
         from lm_eval.__main__ import cli_evaluate
 
-        from kvbench import lmeval  # registers the model
+        from kvbench.tasks import lmeval_model as lmeval  # registers the model
     except ImportError:
         raise KvbenchError("lm-evaluation-harness is not installed: pip install -e '.[lmeval]' in the kvbench "
                            "checkout") from None

@@ -2,7 +2,7 @@
 
 One `LayerKV` per layer stores the entries (kvbench/engine/layer.py); kvbench/engine/eviction.py decides what a
 compression keeps and the cache applies it; kvbench/engine/accounting.py measures bytes held, peaked and read;
-kvbench/sharing.py starts a cache from a shared prefill's entries; kvbench/engine/step.py lays the layers out for
+kvbench/engine/sharing.py starts a cache from a shared prefill's entries; kvbench/engine/step.py lays the layers out for
 static decode steps. The cache sizes the layers' buffers, bounds them by the budget, and counts allocations against a
 memory limit.
 
@@ -27,17 +27,25 @@ from transformers.cache_utils import Cache
 from kvbench.engine.accounting import CacheStats, ReadCounts, cache_stats, layer_ratios, row_stats
 from kvbench.engine.attention import FULL, LayerKind
 from kvbench.engine.eviction import Decision, decide
+from kvbench.engine.instruments import synchronize
 from kvbench.engine.layer import PADDING, LayerKV
-from kvbench.engine.rows import RowAccounts
+from kvbench.engine.row_accounts import RowAccounts
 from kvbench.engine.step import Append, EvictEvery, SlotRule, enter, leave, rule_for, same_rule
 from kvbench.errors import KvbenchError
-from kvbench.measure import synchronize
-from kvbench.policies.base import Policy
+from kvbench.policies.base import (
+    Policy,
+    fold_evicted,
+    folds,
+    observers_of,
+    sparse_reads,
+    spread_budgets,
+    state_keys_of,
+)
 
 if TYPE_CHECKING:
-    from kvbench.budgets import Threshold
+    from kvbench.engine.models import ModelInternals
     from kvbench.engine.storage import Layout
-    from kvbench.models import ModelInternals
+    from kvbench.policies.budgets import Threshold
 
 # plugin code imports these from here
 __all__ = ["PADDING", "CacheSettings", "CacheStats", "KVCache", "LayerKV", "Phase"]
@@ -76,11 +84,6 @@ class CacheSettings:
     prompt_tokens: int | None = None
 
 
-def _folds(policy: Policy) -> bool:
-    """Whether `policy` (or a stage of it) folds evicted entries into kept ones, writing into the cache."""
-    stages = getattr(policy, "_stages", ())
-    return any(map(_folds, stages)) if stages else type(policy).fold is not Policy.fold
-
 def step_blocker(policy: Policy) -> str | None:
     """Why `policy`'s decode steps run on the dynamic layout rather than on static buffers
     (kvbench/engine/step.py), in a few words; None: they step on static buffers, eager or compiled (`kvbench policies`
@@ -89,7 +92,7 @@ def step_blocker(policy: Policy) -> str | None:
         return "a sparse policy's reads are chosen on the dynamic layout"
     if policy.layout() is not None:
         return "compressed storage"
-    if _folds(policy):
+    if folds(policy):
         return "merging writes evicted entries into kept ones"
     return policy.static_blocker()
 
@@ -97,7 +100,7 @@ def step_blocker(policy: Policy) -> str | None:
 class KVCache(Cache):
     """The cache handed to the model: one `LayerKV` per layer of a `[batch, kv_heads, head_dim]` shape, compressed by
     `policy` as `settings` say. A batch (`left_padding` `[batch]`, padding tokens in front of each row) keeps each
-    row's accounts in `rows` (kvbench/engine/rows.py). `observers`: the policies whose attention statistics it gathers
+    row's accounts in `rows` (row_accounts.py). `observers`: the policies whose attention statistics it gathers
     (default: its own; a shared prefill's are every cell's). `kinds`: how each layer attends; `model`: what a policy
     may read of the model (rotary embedding, output projections)."""
 
@@ -123,7 +126,7 @@ class KVCache(Cache):
         self.rows = rows
         # per-layer budgets: equal, unless the policy spreads the total unevenly (PyramidKV)
         self.layer_budgets = None if self.budget is None else \
-            policy.layer_budgets(self.budget, num_layers, settings.prompt_tokens)
+            spread_budgets(policy, self.budget, num_layers, settings.prompt_tokens)
         self.threshold_seen = 0  # tokens seen at the last threshold compression (decode applies it every evict_every)
         self._gather_observers(observers)
         self.phase = phase  # from here on the session's to set (kvbench/engine/session.py)
@@ -138,7 +141,7 @@ class KVCache(Cache):
         self.fed: torch.Tensor | None = None
         # a decode-time policy that observes scores by each step's attention: the static step keeps its weights
         self.keeps_step_weights = self.observing and policy.schedule.decodes
-        self.folds = _folds(policy)
+        self.folds = folds(policy)
         layout = policy.layout()  # compressed storage, or None: plain slots in the model dtype
         self._check(layout)
         if layout is not None:
@@ -153,7 +156,7 @@ class KVCache(Cache):
         read the same one (h2o alone and inside hybrid) gather it once. A shared prefill's cache times each one's,
         so that a cell's prefill time counts its own statistics only."""
         self.times_observers = observers is not None
-        leaves = [leaf for p in observers or [self.policy] for leaf in p.observers()]
+        leaves = [leaf for p in observers or [self.policy] for leaf in observers_of(p)]
         self.observers = list({leaf.state_key: leaf for leaf in leaves}.values())
         self.observing = bool(self.observers)
         self.observe_seconds: dict[str, float] = {}
@@ -231,7 +234,7 @@ class KVCache(Cache):
         layer = self.layers[layer_idx]
         if layer_idx == 0:
             self.reads.steps += 1
-        selected = None if self.read_budget is None else self.policy.read_mask(layer, query, self.read_budget)
+        selected = None if self.read_budget is None else sparse_reads(self.policy, layer, query, self.read_budget)
         self.reads.count(self, layer, selected)
         if selected is None:
             return None
@@ -272,7 +275,7 @@ class KVCache(Cache):
         layout, self.prompt_layout = self.prompt_layout, None
         if layout is None:
             return
-        stats = [*self.policy.state_keys(), PADDING]
+        stats = [*state_keys_of(self.policy), PADDING]
         for index, plain in enumerate(self.layers):
             if plain.is_initialized:
                 stored = layout.layer(self, index, prompt=plain)
@@ -310,7 +313,7 @@ class KVCache(Cache):
                 layer.own()
                 if self.rows is not None:
                     self.rows.owned(self, layer.layer_idx, decision.due)
-            self.policy.fold(layer, decision.evicted)
+            fold_evicted(self.policy, layer, decision.evicted)
             layer.evict(decision.evicted)
         else:
             assert decision.keep is not None and not self.folds, "a merging policy batches rows of one length only"

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvbench.engine.rows import RowView
+from kvbench.engine.row_accounts import RowView
 
 if TYPE_CHECKING:
-    from kvbench.budgets import Threshold
     from kvbench.engine.cache import KVCache
     from kvbench.engine.layer import LayerKV
     from kvbench.policies.base import Policy
+    from kvbench.policies.budgets import Threshold
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvbench.engine.attention import LayerKind
-from kvbench.engine.rows import rows_of
+from kvbench.engine.row_accounts import rows_of
 
 if TYPE_CHECKING:
     from kvbench.engine.cache import KVCache
@@ -175,7 +175,7 @@ class LayerKV(CacheLayerMixin):
         return self.length
 
     def select_rows(self, owner: KVCache, rows: torch.Tensor, width: int, seen: int) -> LayerKV:
-        """A copy of this layer's `rows` only, for `owner` (see `KVCache.select_rows`): `width` slots, each row's
+        """A copy of this layer's `rows` only, for `owner` (`select_rows` in sharing.py): `width` slots, each row's
         entries last in slot order (a prompt's, still in order, stay in order) behind its padding."""
         twin = copy.copy(self)
         twin._owner = weakref.ref(owner)

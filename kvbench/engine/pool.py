@@ -31,15 +31,15 @@ import torch
 
 from kvbench.engine import session as engine_session
 from kvbench.engine.cache import CacheSettings, KVCache, Phase, step_blocker
+from kvbench.engine.instruments import Stopwatch
 from kvbench.engine.layer import PADDING, LayerKV
 from kvbench.engine.session import Session
 from kvbench.engine.step import Append, EvictEvery, SlotRule, StaticSlots, rule_for, same_rule
 from kvbench.errors import KvbenchError
-from kvbench.measure import Stopwatch
 from kvbench.policies.base import Policy, Wrapper
 
 if TYPE_CHECKING:
-    from kvbench.models import LoadedModel
+    from kvbench.engine.models import LoadedModel
 
 
 @dataclass(frozen=True)

@@ -30,18 +30,18 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvbench.engine.cache import CacheSettings, KVCache, Phase
+from kvbench.engine.instruments import PeakMemory, Stopwatch
 from kvbench.engine.joint import JointCache
-from kvbench.engine.rows import RowAccounts
-from kvbench.measure import PeakMemory, Stopwatch
-from kvbench.measurements import cache_measurements, timings
-from kvbench.segments import Segment
-from kvbench.settings import RunSettings, compression_plan, headroom, threshold_of
+from kvbench.engine.measurements import cache_measurements, timings
+from kvbench.engine.row_accounts import RowAccounts
+from kvbench.engine.segments import Segment
+from kvbench.engine.settings import RunSettings, compression_plan, headroom, threshold_of
 
 if TYPE_CHECKING:
     from kvbench.engine.accounting import CacheStats
-    from kvbench.models import LoadedModel
+    from kvbench.engine.models import LoadedModel
+    from kvbench.engine.sharing import SharedPrefill
     from kvbench.policies.base import Policy
-    from kvbench.sharing import SharedPrefill
 
 T = TypeVar("T")
 
@@ -63,11 +63,11 @@ class Session:
     that stops evicting grows by `adds` slots at once (by max(arrival, 256) at a time without it). `chunked` says
     whether the prompt is compressed more than once (default: the settings' prefill mode); `observers` gathers the
     statistics of other policies too (a shared prefill); `left_padding` `[batch]` makes it a left-padded batch.
-    `segments` are the prompt's units a task names (kvbench/segments.py: few-shot examples, a system prompt's rules),
+    `segments` are the prompt's units a task names (segments.py: few-shot examples, a system prompt's rules),
     for a policy that keeps them whole; one row's.
 
     A batch gives `prompt_tokens`, `arrival` and `adds` per row (or one for all): every row evicts as its own
-    cache would (kvbench/engine/rows.py keeps each row's accounts), so the rows must share one resolved budget
+    cache would (kvbench/engine/row_accounts.py keeps each row's accounts), so the rows must share one resolved budget
     (`compression_plan`).
     """
 
@@ -141,7 +141,7 @@ class Session:
 
     def measurements(self, row: int | None = None) -> dict[str, Any]:
         """The record's speed, byte and memory columns (after the `with` block). In a batch, `row`'s: its own
-        tokens and its cache as its own cache would hold it when its answer ended (kvbench/engine/rows.py), beside what
+        tokens and its cache as its own cache would hold it when its answer ended (row_accounts.py), beside what
         the batch measured together (`ttft_s` and `tpot_s`: what every row waited; `prefill_tok_s` and
         `decode_tok_s`: the batch's throughput; the memory peaks: the batch's). Without `row`, the whole batch."""
         if self.memory is None:
@@ -200,7 +200,7 @@ class Session:
         ids = self._inputs(ids)
         self._enter(Phase.PREFILL)
         clock = Stopwatch(self.lm.devices)
-        shared_s = 0.0  # counted beyond this call's clock: its share of a shared forward (kvbench/sharing.py)
+        shared_s = 0.0  # counted beyond this call's clock: its share of a shared forward (kvbench/engine/sharing.py)
         self._count_fed(ids.shape[1])
         if shared is not None:
             self.logits, self.shared = shared.logits, shared

@@ -1,5 +1,5 @@
 """What a cache measures at one moment, by the names of the record columns (docs/measurements.md): what a cache
-(kvbench/engine/accounting.py) and each row of a batch (kvbench/engine/rows.py) report."""
+(kvbench/engine/accounting.py) and each row of a batch (kvbench/engine/row_accounts.py) report."""
 
 from __future__ import annotations
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from kvbench.errors import KvbenchError
-from kvbench.results import read_jsonl
 
 
 def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
@@ -34,7 +34,14 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
     if not source.is_file():
         raise KvbenchError(f"load trace '{path}': no such file")
     requests = []
-    for number, line in enumerate(read_jsonl(source), start=1):
+    # a user's file: its last line counts with or without a newline, and a line's number is its place in the file
+    for number, text in enumerate(source.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        if not text.strip():
+            continue
+        try:
+            line = json.loads(text)
+        except json.JSONDecodeError:
+            raise KvbenchError(f"load trace {path}:{number}: not JSON: {text[:80]}") from None
         try:
             request = TraceRequest(**line)
             valid = isinstance(request.arrival_s, int | float) and request.arrival_s >= 0 and \

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvbench.generation import Prompt
-    from kvbench.session import Session
+    from kvbench.engine.generation import Prompt
+    from kvbench.engine.session import Session
 
 
 @dataclass(frozen=True)

@@ -12,18 +12,17 @@ from typing import Any
 import numpy as np
 
 from kvbench.engine.accounting import kept_mean
+from kvbench.engine.generation import Prompt, stopped
+from kvbench.engine.instruments import PeakMemory
+from kvbench.engine.models import LoadedModel
 from kvbench.engine.pool import Pool, PoolRefused, pool_plan
-from kvbench.engine.session import step_together
-from kvbench.generation import Prompt, stopped
-from kvbench.measure import PeakMemory
-from kvbench.models import LoadedModel
+from kvbench.engine.session import Session, step_together
+from kvbench.engine.settings import RunSettings
 from kvbench.policies.base import Policy
 from kvbench.serving.arrivals import poisson_arrivals
 from kvbench.serving.requests import Load, Request, Served
 from kvbench.serving.scheduler import FirstComeFirstServed, Scheduler
 from kvbench.serving.sizing import cache_need, need_tokens
-from kvbench.session import Session
-from kvbench.settings import RunSettings
 
 
 class _Clock:

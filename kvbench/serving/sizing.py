@@ -6,12 +6,12 @@ from typing import NamedTuple
 
 import torch
 
+from kvbench.engine.estimate import parse_bytes
+from kvbench.engine.generation import Prompt
+from kvbench.engine.models import LoadedModel
+from kvbench.engine.settings import RunSettings, headroom, resolve_budget
 from kvbench.errors import KvbenchError
-from kvbench.estimate import parse_bytes
-from kvbench.generation import Prompt
-from kvbench.models import LoadedModel
 from kvbench.policies.base import Policy
-from kvbench.settings import RunSettings, headroom, resolve_budget
 
 
 class Need(NamedTuple):
