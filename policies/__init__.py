@@ -5,7 +5,8 @@ A new policy is its file and its line here (tests/test_registry.py checks the in
 The folder also holds the policy contract, which sits below the engine that drives it: `base` (`Policy`, its hooks
 and kinds), `schedule`, `budgets` (token, ratio and threshold budgets), `reference` (each policy's rule written from
 its definition, what `kvbench check` holds the engine to), `deprecated` and `full` (the reference every run is
-compared with). The policies themselves run on the engine."""
+compared with): it imports only kvbench's core. The policies themselves run on the engine: a policy may import
+the contract, the engine and kvbench/calibration/."""
 
 from kvbench.policies.base import POLICIES, Demand, Policy, Schedule, build_policy, register
 

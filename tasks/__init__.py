@@ -3,7 +3,8 @@ its name is read (`TASKS.get`, `build_task`) (tests/test_registry.py checks the 
 
 Beside the families: `base` (the `Task` contract), `corpus`, `words` and `metrics` (what several families share),
 `capacity_search` (the largest batch or context that fits, which the capacity task and `kvbench capacity` run) and
-`lmeval_model` (lm-evaluation-harness's model `kvbench`, which the lm_eval task and `kvbench lm-eval` run)."""
+`lmeval_model` (lm-evaluation-harness's model `kvbench`, which the lm_eval task and `kvbench lm-eval` run). A task
+may import the engine and the policy contract; a policy it names, it builds through the registry."""
 
 from kvbench.tasks.base import TASKS, Sample, Task, build_task, encode_prompt, register
 
