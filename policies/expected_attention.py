@@ -1,13 +1,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
-from kvbench.calibration.calibrate import calibrate_command, default_folder, load_query_statistics, read_artifact
+from kvbench.calibration.calibrate import calibrated_folder, load_query_statistics, read_artifact
 from kvbench.engine.attention import queries_per_chunk
 from kvbench.engine.row_accounts import rows_of
 from kvbench.errors import KvbenchError
@@ -215,11 +214,7 @@ class ExpectedAttentionStats(ExpectedAttention):
 
     def load(self, lm) -> tuple[torch.Tensor, torch.Tensor]:
         """The statistics for `lm`, checked against its shape; a missing artifact names the command that makes it."""
-        method = "expected-attention"
-        folder = default_folder(lm, method) if self.stats_folder is None else Path(self.stats_folder).expanduser()
-        if not folder.is_dir():
-            command = calibrate_command(lm, method) + ("" if self.stats_folder is None else f" -o {self.stats_folder}")
-            raise KvbenchError(f"policy '{self.name}': no query statistics in {folder}: make them with `{command}`")
+        folder = calibrated_folder(lm, self.name, "expected-attention", self.stats_folder, "query statistics")
         mean, covariance = read_artifact(lm, folder, "query statistics", lambda found: tuple(
             load_query_statistics(found)[name].to(lm.device) for name in ("query_mean", "query_cov")))
         expected = (lm.num_layers, lm.model.config.num_attention_heads, lm.head_dim)

@@ -2,13 +2,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvbench.calibration import kvzap
-from kvbench.calibration.calibrate import calibrate_command, default_folder, read_artifact
+from kvbench.calibration.calibrate import calibrated_folder, read_artifact
 from kvbench.engine.attention import record_attention_inputs
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import PromptScorer, protect, recent_mask, register
@@ -57,11 +56,7 @@ class KVzap(PromptScorer):
     def load(self, lm) -> Surrogate:
         """The surrogate for `lm` on its device (read once per model: shared, not to be changed), checked against its
         shape; a missing artifact names the command that makes it."""
-        method = f"kvzap-{self.model_type}"
-        folder = default_folder(lm, method) if self.kvzap_model is None else Path(self.kvzap_model).expanduser()
-        if not folder.is_dir():
-            command = calibrate_command(lm, method) + ("" if self.kvzap_model is None else f" -o {self.kvzap_model}")
-            raise KvbenchError(f"policy 'kvzap': no KVzap model in {folder}: make it with `{command}`")
+        folder = calibrated_folder(lm, "kvzap", f"kvzap-{self.model_type}", self.kvzap_model, "KVzap model", "it")
         surrogate = read_artifact(lm, folder, "kvzap", lambda found: kvzap.load(found).to(lm.device))
         shape, expected = (len(surrogate.layers), surrogate.input_dim), (lm.num_layers, lm.model.config.hidden_size)
         if shape != expected:

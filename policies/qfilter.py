@@ -1,11 +1,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from kvbench.calibration.calibrate import calibrate_command, default_folder, load_qfilters, read_artifact
+from kvbench.calibration.calibrate import calibrated_folder, load_qfilters, read_artifact
 from kvbench.errors import KvbenchError
 from kvbench.policies.base import PromptScorer, register
 from kvbench.policies.reference import Reference, qfilter_kept
@@ -32,10 +31,7 @@ class QFilter(PromptScorer):
 
     def load(self, lm) -> torch.Tensor:
         """The filters for `lm`, checked against its shape; a missing artifact names the command that makes it."""
-        folder = default_folder(lm, "qfilter") if self.filters is None else Path(self.filters).expanduser()
-        if not folder.is_dir():
-            command = calibrate_command(lm, "qfilter") + ("" if self.filters is None else f" -o {self.filters}")
-            raise KvbenchError(f"policy 'qfilter': no Q-Filters in {folder}: make them with `{command}`")
+        folder = calibrated_folder(lm, "qfilter", "qfilter", self.filters, "Q-Filters")
         filters = read_artifact(lm, folder, "q_filters", lambda found: load_qfilters(found).to(lm.device))
         expected = (lm.num_layers, lm.kv_heads, lm.head_dim)
         if tuple(filters.shape) != expected:

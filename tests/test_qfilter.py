@@ -5,6 +5,7 @@ broken artifact (a flipped sign, shuffled layers) fails the comparison with a ca
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,23 @@ def test_a_missing_artifact_names_the_command_that_makes_it(sharp_llama, monkeyp
     with pytest.raises(KvbenchError, match="KV heads, head_dim"):  # another model's filters
         run_session(sharp_llama, build_policy("qfilter", {"filters": str(tmp_path / "other")}), PROMPT, [], BUDGET)
 
+
+
+def test_an_artifact_of_another_calibration_format_names_the_command_that_remakes_it(sharp_llama, calibrated,
+                                                                                    tmp_path):
+    """A folder kvbench wrote in another format (its calibration.json says) is refused; one that names no format (as
+    kvpress writes it) is read."""
+    stale = tmp_path / "stale"
+    shutil.copytree(calibrated, stale)
+    provenance = json.loads((stale / "calibration.json").read_text())
+    (stale / "calibration.json").write_text(json.dumps({**provenance, "calibration_format": 0}))
+    policy = build_policy("qfilter", {"filters": str(stale)})
+    with pytest.raises(KvbenchError, match=r"^policy 'qfilter': the Q-Filters in .*stale come from calibration "
+                                           r"format 0, this kvbench's is 1: make them again with `kvbench calibrate "
+                                           r"-m random:tiny-llama --method qfilter --dtype float32 -o .*stale`$"):
+        run_session(sharp_llama, policy, PROMPT, [], BUDGET)
+    (stale / "calibration.json").unlink()
+    run_session(sharp_llama, policy, PROMPT, [], BUDGET)
 
 def test_kvbench_calibrate_writes_where_the_policy_looks(monkeypatch, tmp_path, corpus):
     monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))

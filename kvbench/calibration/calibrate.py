@@ -28,7 +28,7 @@ import torch
 
 from kvbench import __version__
 from kvbench.calibration import kvzap
-from kvbench.calibration.artifacts import WEIGHTS_FILE, read_weights, write_artifact
+from kvbench.calibration.artifacts import PROVENANCE_FILE, WEIGHTS_FILE, read_weights, write_artifact
 from kvbench.calibration.methods import Settings, check_writable, dtype_name, require_method
 from kvbench.engine.models import LoadedModel, cache_dir, model_digest, per_model
 from kvbench.engine.session import Session
@@ -57,6 +57,36 @@ def default_folder(lm: LoadedModel, method: str) -> Path:
     """Where a calibration lands unless told otherwise, and where its policy looks: `$KVBENCH_CACHE/<method>/`, in a
     folder keyed by the model's config, dtype and attention weights (`model_digest`, as RazorAttention's heads)."""
     return cache_dir() / method / model_digest(lm)
+
+
+def calibrated_folder(lm: LoadedModel, policy: str, method: str, given: str | None, what: str,
+                      it: str = "them") -> Path:
+    """The folder `policy` reads `method`'s artifact for `lm` from: `given`, or where `kvbench calibrate` puts it.
+    None there, or one that a kvbench of another calibration format made (its `calibration.json` says; a folder
+    that names no format, as kvpress or a hand writes one, is read as it is), is a one-line error naming the command
+    that makes `it` again."""
+    folder = default_folder(lm, method) if given is None else Path(given).expanduser()
+    command = calibrate_command(lm, method) + ("" if given is None else f" -o {given}")
+    if not folder.is_dir():
+        raise KvbenchError(f"policy '{policy}': no {what} in {folder}: make {it} with `{command}`")
+    made = calibration_format(folder)
+    if made is not None and made != CALIBRATION_FORMAT:
+        raise KvbenchError(f"policy '{policy}': the {what} in {folder} come from calibration format {made}, this "
+                           f"kvbench's is {CALIBRATION_FORMAT}: make {it} again with `{command}`")
+    return folder
+
+
+def calibration_format(folder: Path) -> int | None:
+    """The calibration format `folder`'s provenance names; None: it names none."""
+    path = folder / PROVENANCE_FILE
+    if not path.is_file():
+        return None
+    try:
+        provenance = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise KvbenchError(f"{path}: not a readable JSON file; make the calibration again or delete it") from None
+    made = provenance.get("calibration_format") if isinstance(provenance, dict) else None
+    return made if isinstance(made, int) else None
 
 
 def calibrate_command(lm: LoadedModel, method: str) -> str:
