@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -48,8 +49,9 @@ def main() -> None:
         lm.model.set_attn_implementation("sdpa")
         try:
             with torch.inference_mode():
-                lm.model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n, min_new_tokens=n,
-                                  do_sample=False, pad_token_id=lm.tokenizer.eos_token_id)
+                generate: Any = lm.model.generate  # transformers' stubs type it as a Tensor attribute
+                generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, pad_token_id=lm.tokenizer.eos_token_id)
         finally:
             lm.model.set_attn_implementation("kvbench")
 

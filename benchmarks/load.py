@@ -69,13 +69,17 @@ def main() -> None:
         task = build_task("niah", {"depths": [0.25, 0.5, 0.75]})
         samples = task.samples(lm.tokenizer, args.context, 4, 0)
         references = [samples[i % len(samples)] for i in range(args.requests)]
-        prompts = [Prompt(*encode_prompt(lm.tokenizer, sample), args.tokens, ()) for sample in references]
+        prompts = []
+        for sample in references:
+            context, question = encode_prompt(lm.tokenizer, sample)
+            prompts.append(Prompt(context, question, args.tokens))
     else:
         task = build_task("longgen", {"length": args.tokens})
         references = task.samples(lm.tokenizer, args.context, args.requests, 0)
         prompts = [Prompt(sample.token_ids, [], args.tokens, ()) for sample in references]
     longest = max(len(p.context) + len(p.question) for p in prompts)
     pool = pool_bytes(lm, f"{2 * (longest + args.tokens)} tokens", None)
+    assert pool is not None, "a pool given in tokens has bytes"
     print(f"pool {pool / 2**20:.1f} MiB ({2 * (longest + args.tokens)} tokens), {args.requests} requests of "
           f"~{longest} prompt and <= {args.tokens} answer tokens, SLO TTFT <= {args.ttft} s, TPOT <= {args.tpot} s, "
           f"sustained at {args.attainment:.0%} within it")

@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -48,7 +49,7 @@ def release_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
-def load_layers(spec: str, layers: int, **load: str) -> LoadedModel:
+def load_layers(spec: str, layers: int, **load: Any) -> LoadedModel:
     """`spec` with its first `layers` decoder layers only (0: all); `load`: `load_model`'s device and dtype."""
     shape = spec.removeprefix("random:")
     if layers and spec.startswith("random:") and shape in RANDOM_SHAPES:
@@ -74,7 +75,9 @@ def prefill(lm: LoadedModel, name: str, ids: list[int], budget: float, clock: st
         start = CLOCKS[clock]()
         session.prefill(ids)
         seconds = CLOCKS[clock]() - start
-    return seconds, session.memory.peak_bytes - session.memory.baseline_bytes
+    memory = session.memory
+    assert memory is not None, "a session measures its memory over `with session:`"
+    return seconds, memory.peak_bytes - memory.baseline_bytes
 
 
 def decode_steps(lm: LoadedModel, name: str, ids: list[int], steps: int, clock: str) -> list[float]:
@@ -107,9 +110,9 @@ def prefill_table(lm: LoadedModel, policies: list[str], lengths: list[int], budg
                 peaks[name].append(peak)
         base_s, base_peak = statistics.median(seconds["full"]), statistics.median(peaks["full"])
         for name in policies:
-            time_s, peak = statistics.median(seconds[name]), statistics.median(peaks[name])
-            print(f"{length:>7}{name:>14}{time_s:>11.2f}{time_s / base_s:>8.2f}x{peak / 2**20:>10.0f}"
-                  f"{(peak - base_peak) / 2**20:>+11.0f}", flush=True)
+            median_s, median_peak = statistics.median(seconds[name]), statistics.median(peaks[name])
+            print(f"{length:>7}{name:>14}{median_s:>11.2f}{median_s / base_s:>8.2f}x{median_peak / 2**20:>10.0f}"
+                  f"{(median_peak - base_peak) / 2**20:>+11.0f}", flush=True)
 
 
 def decode_table(lm: LoadedModel, policies: list[str], length: int, steps: int, repeats: int, vocab: int,
