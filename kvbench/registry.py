@@ -127,9 +127,9 @@ def load_plugins(folder: str | Path) -> list[str]:
         sys.modules[module_name] = module
         try:
             spec.loader.exec_module(module)
-        except KvbenchError:
-            raise
-        except Exception as exc:  # a broken plugin is the user's input: name it
-            raise KvbenchError(f"plugin {path} failed to import: {type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # a broken plugin is the user's input: name it, and leave nothing of it loaded
+            sys.modules.pop(module_name, None)
+            what = str(exc) if isinstance(exc, KvbenchError) else f"failed to import: {type(exc).__name__}: {exc}"
+            raise KvbenchError(f"plugin {path}: {what}") from exc
         loaded.append(str(path))
     return loaded

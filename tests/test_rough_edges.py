@@ -223,6 +223,22 @@ def test_a_missing_plugin_folder_names_the_config_line(tmp_path):
     assert_one_line_error(result, f"sweep.yaml:8: plugins: plugin folder not found: {tmp_path / 'nowhere'}")
 
 
+
+def test_a_plugin_the_contract_refuses_is_named_and_left_unloaded(tmp_path):
+    """A plugin class that defines a kind's method without the kind is a one-line error naming the file and the
+    kind; nothing of the file stays loaded, so the file fixed loads in the same process."""
+    from kvbench.policies import POLICIES
+    from kvbench.registry import load_plugins
+
+    plugin = tmp_path / "folding.py"
+    plugin.write_text(PLUGIN_POLICY.format(cls="Folding", name="plugin_folding")
+                      + "\n    def fold(self, layer, evicted):\n        pass\n")
+    with pytest.raises(KvbenchError, match=rf"^plugin {plugin}: policy class Folding defines `fold`, which kvbench "
+                                           r"asks only of a Merging \(kvbench.policies.base.Merging\): subclass it$"):
+        load_plugins(tmp_path)
+    plugin.write_text(PLUGIN_POLICY.format(cls="Folding", name="plugin_folding"))
+    assert load_plugins(tmp_path) == [str(plugin)] and POLICIES.get("plugin_folding").__name__ == "Folding"
+
 # --- entry points -----------------------------------------------------------------------------------------------
 
 def test_installed_entry_points_register_policies_and_tasks(tmp_path):
