@@ -6,8 +6,8 @@ parity/cases.yaml as a transformers folder without a chat template, and its prom
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -108,4 +108,6 @@ def main(work: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("work", type=Path, help="the folder both sides read (models/, prompts.json)")
+    main(parser.parse_args().work)
