@@ -80,7 +80,8 @@ class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return module
 
     def exec_module(self, module: types.ModuleType) -> None:
-        name = module.__spec__.name if module.__spec__ else module.__name__  # this path (the machinery set it)
+        assert module.__spec__ is not None, "the import machinery gives the module this path's spec"
+        name = module.__spec__.name
         if name in GATHERED:
             homes = GATHERED[name]
             for attribute, home in homes.items():

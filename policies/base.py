@@ -236,7 +236,6 @@ class Policy:
         return {"name": self.name, **{key: getattr(self, key) for key in self.params()
                                       if key != "storage" or self.storage is not None}}
 
-
     @functools.cached_property
     def state_key(self) -> str:
         """Names this instance's per-slot statistics, so several policies can observe one shared prefill (worked
@@ -448,18 +447,21 @@ def sparse_reads(policy: Policy, layer: LayerKV, query: torch.Tensor, budget: in
 
 
 def observers_of(policy: Policy) -> list[Policy]:
-    """The policies whose `observe` must run for `policy`: itself if it needs attention (a wrapper: its stages'),
-    and its storage's."""
-    own = [leaf for stage in policy.stages for leaf in observers_of(stage)] if isinstance(policy, Wrapper) \
-        else [policy] if policy.needs_attention else []
-    return own + ([] if policy._storage is None else observers_of(policy._storage))
+    """The policies whose `observe` must run for `policy`: each of its leaves that needs attention."""
+    return _of_leaves(policy, lambda leaf: [leaf] if leaf.needs_attention else [])
 
 
 def state_keys_of(policy: Policy) -> list[str]:
-    """Every per-slot statistic `policy` reads: its own (a wrapper: its stages'), and its storage's."""
-    own = [key for stage in policy.stages for key in state_keys_of(stage)] if isinstance(policy, Wrapper) \
-        else [policy.state_key]
-    return own + ([] if policy._storage is None else state_keys_of(policy._storage))
+    """Every per-slot statistic `policy` reads: each of its leaves' own."""
+    return _of_leaves(policy, lambda leaf: [leaf.state_key])
+
+
+def _of_leaves(policy: Policy, answer: Callable[[Policy], list]) -> list:
+    """`answer` of every policy `policy` is made of, in order: itself (a wrapper: its stages, and theirs), then its
+    storage (ThinK observes the prompt's queries)."""
+    own = [item for stage in policy.stages for item in _of_leaves(stage, answer)] if isinstance(policy, Wrapper) \
+        else answer(policy)
+    return own + ([] if policy._storage is None else _of_leaves(policy._storage, answer))
 
 
 def _forwarding(name: str, scope: HookScope) -> Callable:

@@ -150,6 +150,9 @@ def test_an_artifact_of_another_calibration_format_names_the_command_that_remake
                                            r"format 0, this kvbench's is 1: make them again with `kvbench calibrate "
                                            r"-m random:tiny-llama --method qfilter --dtype float32 -o .*stale`$"):
         run_session(sharp_llama, policy, PROMPT, [], BUDGET)
+    (stale / "calibration.json").write_text("{not json")
+    with pytest.raises(KvbenchError, match=r"^.*stale/calibration.json: not a readable JSON file"):
+        run_session(sharp_llama, policy, PROMPT, [], BUDGET)
     (stale / "calibration.json").unlink()
     run_session(sharp_llama, policy, PROMPT, [], BUDGET)
 

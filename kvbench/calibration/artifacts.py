@@ -45,3 +45,15 @@ def write_artifact(folder: Path, tensors: dict[str, torch.Tensor], config: dict,
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / WEIGHTS_FILE))
+
+
+def read_provenance(folder: Path) -> dict | None:
+    """What `calibration.json` in `folder` says; None: there is none (a folder kvpress or a hand wrote)."""
+    path = folder / PROVENANCE_FILE
+    if not path.is_file():
+        return None
+    try:
+        provenance = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise KvbenchError(f"{path}: not a readable JSON file; make the calibration again or delete it") from None
+    return provenance if isinstance(provenance, dict) else {}

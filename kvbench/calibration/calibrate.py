@@ -28,7 +28,7 @@ import torch
 
 from kvbench import __version__
 from kvbench.calibration import kvzap
-from kvbench.calibration.artifacts import PROVENANCE_FILE, WEIGHTS_FILE, read_weights, write_artifact
+from kvbench.calibration.artifacts import WEIGHTS_FILE, read_provenance, read_weights, write_artifact
 from kvbench.calibration.methods import Settings, check_writable, dtype_name, require_method
 from kvbench.engine.models import LoadedModel, cache_dir, model_digest, per_model
 from kvbench.engine.session import Session
@@ -78,14 +78,7 @@ def calibrated_folder(lm: LoadedModel, policy: str, method: str, given: str | No
 
 def calibration_format(folder: Path) -> int | None:
     """The calibration format `folder`'s provenance names; None: it names none."""
-    path = folder / PROVENANCE_FILE
-    if not path.is_file():
-        return None
-    try:
-        provenance = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        raise KvbenchError(f"{path}: not a readable JSON file; make the calibration again or delete it") from None
-    made = provenance.get("calibration_format") if isinstance(provenance, dict) else None
+    made = (read_provenance(folder) or {}).get("calibration_format")
     return made if isinstance(made, int) else None
 
 
