@@ -5,6 +5,8 @@ long cache, in one run.
     python benchmarks/stats_scaling.py [--model smollm2-135m] [--layers 4] [--lengths 2048 4096 8192 16384]
     python benchmarks/stats_scaling.py --model random:llama-3-8b --layers 2
     python benchmarks/stats_scaling.py --policies full h2o --lengths 8192 16384 --repeats 5 --decode-length 0
+    python benchmarks/stats_scaling.py --model random:llama-3-8b --layers 8 --device cuda --dtype bfloat16 \
+        --policies full h2o snapkv --lengths 32768 --repeats 3 --decode-length 0
 
 Every length runs each policy `--repeats` times, interleaved (full, h2o, ..., full, h2o, ...), on a random
 prompt; the median prefill time is reported as a ratio over `full`'s, and the peak memory above the
@@ -66,14 +68,22 @@ def load_layers(spec: str, layers: int, **load: Any) -> LoadedModel:
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
+def settled(lm: LoadedModel) -> None:
+    """Wait for the GPU's queued work, so that a clock read after it times the work, not its launch."""
+    if lm.device.type == "cuda":
+        torch.cuda.synchronize(lm.device)
+
+
 def prefill(lm: LoadedModel, name: str, ids: list[int], budget: float, clock: str) -> tuple[float, int]:
     """(prefill seconds, peak bytes above the start) of one prompt under `name`."""
     release_freed_memory()
     session = Session(lm, build_policy(name), RunSettings(budget=None if name == "full" else budget),
                       prompt_tokens=len(ids))
     with session:
+        settled(lm)
         start = CLOCKS[clock]()
         session.prefill(ids)
+        settled(lm)
         seconds = CLOCKS[clock]() - start
     memory = session.memory
     assert memory is not None, "a session measures its memory over `with session:`"
@@ -89,8 +99,10 @@ def decode_steps(lm: LoadedModel, name: str, ids: list[int], steps: int, clock: 
     with session:
         session.prefill(ids)
         for token in ids[:steps]:
+            settled(lm)
             start = CLOCKS[clock]()
             session.step(token)
+            settled(lm)
             seconds.append(CLOCKS[clock]() - start)
     return seconds
 
@@ -143,10 +155,12 @@ def main() -> None:
     parser.add_argument("--decode-length", type=int, default=8192, help="cache length of the decode table (0: none)")
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="cpu: the process's CPU seconds")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: a GPU if there is one)")
+    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, ... (auto: as kvbench run picks it)")
     args = parser.parse_args()
     policies = ["full", *(name for name in args.policies if name != "full")]
 
-    lm = load_layers(args.model, args.layers)
+    lm = load_layers(args.model, args.layers, device=args.device, dtype=args.dtype)
     vocab = min(256, lm.model.config.vocab_size)
     prefill(lm, "h2o", torch.randint(vocab, (64,)).tolist(), args.budget, args.clock)  # warm-up
     print(f"model {args.model}, {lm.num_layers} layers, budget {args.budget}, {torch.get_num_threads()} threads, "

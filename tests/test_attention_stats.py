@@ -13,24 +13,26 @@ HEADS, KV_HEADS, QUERIES, SLOTS, DIM, SCALING = 6, 2, 10, 25, 8, 0.3
 GROUP = HEADS // KV_HEADS
 
 
-def reference(query, key, padding=None) -> torch.Tensor:
+def reference(query, key, padding=None, scaling=SCALING) -> torch.Tensor:
     """`[B, heads, q, n]`: logits = q k^T * scaling, query i sees slots j <= n - q + i that are not padding,
     softmax; query head h reads KV head h // group; a query that sees nothing (a padding one) gets zeros."""
-    batch, q_len, n = query.shape[0], query.shape[2], key.shape[2]
-    logits = torch.einsum("bhqd,bhnd->bhqn", query, key.repeat_interleave(GROUP, dim=1)) * SCALING
-    visible = (torch.arange(n)[None, :] <= (torch.arange(q_len) + n - q_len)[:, None]).expand(batch, HEADS, -1, -1)
+    (batch, heads, q_len), n, group = query.shape[:3], key.shape[2], query.shape[1] // key.shape[1]
+    logits = torch.einsum("bhqd,bhnd->bhqn", query, key.repeat_interleave(group, dim=1)) * scaling
+    visible = (torch.arange(n)[None, :] <= (torch.arange(q_len) + n - q_len)[:, None]).expand(batch, heads, -1, -1)
     if padding is not None:
-        visible = visible & ~padding.repeat_interleave(GROUP, dim=1)[:, :, None, :]
+        visible = visible & ~padding.repeat_interleave(group, dim=1)[:, :, None, :]
     probs = logits.masked_fill(~visible, float("-inf")).softmax(-1)
     return torch.where(visible.any(-1, keepdim=True), probs, 0.0)
 
 
-def assert_probs_close(actual, expected, query, key, reduced: int = 0) -> None:
-    """Probabilities of logits q.k * SCALING computed in another order: a logit's rounding (DIM terms, at the largest
-    logit's size) moves a probability by as much, the softmax's sum over SLOTS adds its own, a column sum or a mean
-    `reduced` more."""
-    logits = torch.einsum("bhqd,bhnd->bhqn", query.float(), key.float().repeat_interleave(GROUP, dim=1)) * SCALING
-    assert_close(actual, expected, roundings=sum_roundings(DIM + SLOTS + reduced), floor=float(logits.abs().max()))
+def assert_probs_close(actual, expected, query, key, reduced: int = 0, scaling: float = SCALING) -> None:
+    """Probabilities of logits q.k * scaling computed in another order: a logit's rounding (D terms, at the largest
+    logit's size) moves a probability by as much, the softmax's sum over the n slots adds its own, a column sum or a
+    mean `reduced` more."""
+    group = query.shape[1] // key.shape[1]
+    logits = torch.einsum("bhqd,bhnd->bhqn", query.float(), key.float().repeat_interleave(group, dim=1)) * scaling
+    assert_close(actual, expected, roundings=sum_roundings(query.shape[-1] + key.shape[2] + reduced),
+                 floor=float(logits.abs().max()))
 
 
 def rebuilt(query, key, padding=None) -> torch.Tensor:

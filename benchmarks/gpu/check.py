@@ -12,6 +12,7 @@ Wrong is:
   - a record without an allocator or NVML device peak, or whose NVML device peak is below the allocator's (NVML
     can only see more than the allocator holds: less means it measured another GPU).
 A transformers other than 5.17.x, the GPU machines' version, is a warning: the check ran, but not on that version.
+So is a speed short of its target (`PREFILL_TARGETS`, `FLOOR_TARGET`): slow is not wrong, but the line says by how much.
 
 usage: python benchmarks/gpu/check.py OUT
 """
@@ -35,6 +36,11 @@ SELF_CHECK = "check"  # `kvbench check`, its report in OUT/check.json
 EXPECTED_TRANSFORMERS = "5.17."
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 GiB = 2**30
+# the engine's targets on a GPU (Llama-3-8B shape, 32k tokens, batch 1): a policy's prefill tokens/s at least this
+# share of full's, and every decode step within this multiple of its bandwidth floor (what it reads over the
+# device's copy bandwidth), compiled where it compiles
+PREFILL_TARGETS = {"h2o": 0.6, "snapkv": 0.9}
+FLOOR_TARGET = 1.3
 
 
 @dataclass
@@ -45,6 +51,7 @@ class Verdict:
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     sustained: list[str] = field(default_factory=list)
+    targets: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -212,6 +219,37 @@ def check_decode(out: Path, verdict: Verdict) -> None:
                                  compiled, f"floor {row['floor'] * 1e3:.1f} ms", "", "FAIL" if wrong else "ok"])
 
 
+def check_targets(out: Path, verdict: Verdict) -> None:
+    """Each speed against its target: the sweep's prefill tokens/s over full's at the same length, each decode
+    step's time over its floor. A miss is a warning."""
+    folder = RunFolder(out / "sweep")
+    manifest = folder.manifest() or {"cell_descriptions": {}}
+    prefill: dict[tuple[str, Any], float] = {}
+    for record in folder.records() if manifest["cell_descriptions"] else []:
+        cell = manifest["cell_descriptions"].get(record["cell_id"], {})
+        if record.get("prefill_tok_s"):
+            prefill[cell["policy"]["name"], cell.get("context_length")] = record["prefill_tok_s"]
+    for (policy, context), speed in sorted(prefill.items(), key=str):
+        full = prefill.get(("full", context))
+        if policy in PREFILL_TARGETS and full:
+            target(verdict, f"prefill {policy} at {context}: {speed / full:.2f}x full's tokens/s", speed / full,
+                   PREFILL_TARGETS[policy], at_least=True)
+    path = out / f"{DECODE_STEP}.json"
+    for context, rows in json.loads(path.read_text())["contexts"].items() if path.exists() else []:
+        for name, row in rows.items():
+            step, how = (row["compiled"], "compiled") if "compiled" in row else (row["eager"], "eager")
+            target(verdict, f"decode {name} at {context}, {how}: {step * 1e3:.1f} ms, {step / row['floor']:.2f}x its "
+                            f"floor", step / row["floor"], FLOOR_TARGET, at_least=False)
+
+
+def target(verdict: Verdict, line: str, value: float, bound: float, at_least: bool) -> None:
+    met = value >= bound if at_least else value <= bound
+    verdict.targets.append(f"{line} (target {'at least' if at_least else 'at most'} {bound}x): "
+                           f"{'met' if met else 'missed'}")
+    if not met:
+        verdict.warnings.append(f"speed: {line}, short of its target {bound}x")
+
+
 def check(out: Path) -> Verdict:
     """The verdict on everything gpu_check.sh left in `out`."""
     verdict = Verdict()
@@ -222,6 +260,7 @@ def check(out: Path) -> Verdict:
     for run in RUNS:
         check_run(out, run, verdict)
     check_decode(out, verdict)
+    check_targets(out, verdict)
     return verdict
 
 
@@ -251,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{environment_line(out)}\n\n{table(verdict.rows)}\n")
     for line in verdict.sustained:
         print(f"under load: {line}")
+    for line in verdict.targets:
+        print(f"against the targets: {line}")
     for warning in verdict.warnings:
         print(f"warning: {warning}")
     for problem in verdict.problems:

@@ -3,6 +3,7 @@ session that drives the model through it, and what every task needs of a session
 in this order, each only those above it:
 
     joint          the cache a decode step of several sessions hands the model
+    received_kernel  a prompt's H2O statistics on a GPU, in Triton (attention imports it for CUDA tensors only)
     attention      the kvbench attention function: masks, statistics, the static step's attention
     stats          a cache's counters, as one record
     row_accounts   each row of a batch's accounts, as its own cache keeps them

@@ -9,6 +9,7 @@ not score by attention (window, streaming_llm, full) never pay for it.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from kvbench.engine.cache import LayerKV
 
 ATTENTION_NAME = "kvbench"
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 # float32 logits in one chunk of `attention_probs` (its softmax holds as many again). On CPU 4 Mi elements
 # (16 MiB): at 8k tokens and 32 heads a chunk holds 16 queries, and chunks that fit the caches beat larger ones
 # (Llama-3-8B heads, 4k tokens, 2 cores: 0.65 s a layer at 4 Mi, 0.93 s at 16 Mi). On a GPU an eighth of the
@@ -387,7 +389,13 @@ def attention_received(query: torch.Tensor, key: torch.Tensor, scaling: float,
     """Attention each slot received, summed over the queries and averaged over each KV head's
     query heads: `[B, kv_heads, n]` (the H2O accumulation step); `kind` and `positions` as `attention_probs`.
     Each chunk's sum over its queries and mean over the group is one matrix-vector product (a BLAS call reading
-    the probs once) instead of a strided reduction and a mean."""
+    the probs once) instead of a strided reduction and a mean. On a GPU, a prompt's (more than one query, on a
+    layer that neither slides nor caps its logits) comes from `received_kernel`, which stores no weight."""
+    if key.is_cuda and kind == FULL and query.shape[2] > 1 and TRITON_INSTALLED:
+        # imported here, so Triton loads with the first statistics a GPU computes, never on a CPU
+        from kvbench.engine.received_kernel import attention_received_kernel
+
+        return attention_received_kernel(query, key, scaling, padding)
     batch, kv_heads, n = key.shape[:3]
     group = query.shape[1] // kv_heads
     total = torch.zeros(batch, kv_heads, 1, n, dtype=torch.float32, device=key.device)
