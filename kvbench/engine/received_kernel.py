@@ -9,7 +9,8 @@ prefill statistic (`attention.attention_received`) in two Triton kernels, both b
 A chunked softmax writes every float32 logit to memory and reads it back several times: at 32k tokens and 32 heads,
 64 GiB per layer, which bounds its time on a GPU. Here the logits live in registers, and the dot products run on
 tensor cores where the model's dtype allows: a 16-bit model's products are exact in the float32 accumulator, a
-float32 model's dot is IEEE. Logits are therefore those of the chunked path up to summation order.
+float32 model's dot is IEEE. The logits are the chunked path's up to rounding (the order of the sums, the scale
+applied after the product rather than to the query).
 
 Torch has no kernel for a softmax's column sums (its attention kernels return a row log-sum-exp at most), hence
 these. Triton is imported by this module alone, which `attention` loads only for a CUDA tensor; the tests run the
