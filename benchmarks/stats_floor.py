@@ -25,17 +25,18 @@ import torch.nn.functional as F
 from stats_scaling import load_layers, prefill, settled
 
 from kvbench.engine import attention
+from kvbench.engine.models import LoadedModel
 
 
-def timed(run: Callable[[], object], repeats: int, settle: Callable[[], None]) -> float:
-    """Median seconds of `repeats` calls of `run`, after one unmeasured."""
+def timed(run: Callable[[], object], repeats: int, lm: LoadedModel) -> float:
+    """Median seconds of `repeats` calls of `run` on `lm`'s device, after one unmeasured."""
     run()
     times = []
     for _ in range(repeats):
-        settle()
+        settled(lm)
         start = time.perf_counter()
         run()
-        settle()
+        settled(lm)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -74,15 +75,12 @@ def main() -> None:
     value = torch.randn(1, kv_heads, args.tokens, dim, generator=generator).to(lm.device, lm.dtype)
     scaling = dim**-0.5
 
-    def settle() -> None:
-        settled(lm)
-
     times = {
-        "layer": timed(lambda: prefill(lm, "full", ids, 1.0, "wall"), args.repeats, settle),
+        "layer": timed(lambda: prefill(lm, "full", ids, 1.0, "wall"), args.repeats, lm),
         "sdpa": timed(lambda: F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
-                                                             enable_gqa=True), args.repeats, settle),
-        "statistics": timed(lambda: attention.attention_received(query, key, scaling), args.repeats, settle),
-        "logits": timed(lambda: logits_only(query, key, scaling), args.repeats, settle),
+                                                             enable_gqa=True), args.repeats, lm),
+        "statistics": timed(lambda: attention.attention_received(query, key, scaling), args.repeats, lm),
+        "logits": timed(lambda: logits_only(query, key, scaling), args.repeats, lm),
     }
     flops = 2 * heads * dim * args.tokens * (args.tokens + 1) / 2  # q.k over the causal triangle
     print(f"model {args.model} (heads {heads}, KV heads {kv_heads}, head dim {dim}), {args.tokens} tokens, "
